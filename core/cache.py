@@ -1,0 +1,121 @@
+"""The module-level compile cache, shared by every handle in the process.
+
+Programs are ``jax.jit`` functions keyed by what changes the graph (hook
+code, GraphConst values, model structure, routing, ``accum`` for the gradient
+program, ``gradient_clip_norm`` and the optimizer rules for the optimizer
+program). Device values, seeds, run folders, epoch budgets, schedules,
+loggers and early stopping never enter a key: they are program inputs or host
+state.
+
+``cache_stats()`` is the witness: ``misses`` counts traces (each trace is
+one XLA compilation), ``hits`` counts program requests served by an existing
+compiled program, ``entries`` the compiled programs held.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, NamedTuple
+
+import jax
+import structlog
+
+__all__ = ["CacheStats", "cache_stats", "get_program", "clear_cache", "Program", "stable_key"]
+
+log = structlog.get_logger("jaxnitro")
+
+
+class CacheStats(NamedTuple):
+    """``(hits, misses, entries)`` of the module-level compile cache."""
+
+    hits: int
+    misses: int
+    entries: int
+
+
+_lock = threading.Lock()
+_programs: dict[tuple, "Program"] = {}
+_hits = 0
+_misses = 0
+
+
+class Program:
+    """One cached program: a ``jax.jit`` function plus its trace bookkeeping.
+
+    ``kind`` names it in progress notes and reports (``"gradient"``,
+    ``"optimizer"``, ``"forward"``, ``"metrics"``). Call ``program(*args)``;
+    a call whose argument shapes/dtypes were seen before runs the compiled
+    executable, a new signature traces and compiles once (one miss).
+    """
+
+    def __init__(self, kind: str, fn: Callable, donate_argnums=(), meta: dict | None = None):
+        self.kind = kind
+        self.traces = 0
+        self.meta = meta if meta is not None else {}
+
+        @functools.wraps(fn)
+        def traced(*args):
+            global _misses
+            with _lock:
+                self.traces += 1
+                _misses += 1
+            return fn(*args)
+
+        self.jitted = jax.jit(traced, donate_argnums=donate_argnums)
+
+    def __call__(self, *args):
+        return self.jitted(*args)
+
+
+def stable_key(obj):
+    """Return ``obj`` if hashable, else a key by identity (never equal to another object's)."""
+    try:
+        hash(obj)
+        return obj
+    except TypeError:
+        return ("unhashable", id(obj))
+
+
+def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate_argnums=()) -> Program:
+    """Return the cached program for ``(kind, key)``, building it with ``build(meta)`` on first request.
+
+    ``meta`` is a dict stored on the program that traced code may fill in
+    (names of train metrics, metric modes) for every handle that shares it.
+
+    A request served by an existing program counts one hit. Building only
+    wraps the function; the compile (the miss) happens at the first call with
+    a new argument signature.
+    """
+    global _hits
+    full = (kind, key)
+    with _lock:
+        program = _programs.get(full)
+        if program is not None:
+            _hits += 1
+            return program
+    meta: dict = {}
+    program = Program(kind, build(meta), donate_argnums, meta)
+    with _lock:
+        return _programs.setdefault(full, program)
+
+
+def cache_stats() -> CacheStats:
+    """Return ``CacheStats(hits, misses, entries)`` of the process's compile cache.
+
+    ``misses`` counts compilations, ``entries`` the compiled programs held
+    (one per traced signature), ``hits`` the program requests that reused a
+    compiled program.
+    """
+    with _lock:
+        entries = sum(p.traces for p in _programs.values())
+        return CacheStats(_hits, _misses, entries)
+
+
+def clear_cache() -> None:
+    """Drop every cached program (their compiled executables are freed with them)."""
+    global _hits, _misses
+    with _lock:
+        _programs.clear()
+        _hits = 0
+        _misses = 0

@@ -1,0 +1,75 @@
+"""``set_device`` / ``device_value``: reading and writing Device fields of a live handle.
+
+Writing replaces the field's device array with one of the same shape and
+dtype, so every program runs unchanged: zero compiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .experiment import fields_of
+
+__all__ = ["set_device_values", "get_device_value"]
+
+
+def _refuse(name: str, case: str) -> None:
+    raise TypeError(
+        f"jaxnitro: set_device cannot write `{name}`: {case} set_device only writes Device fields "
+        f"in place, so that nothing recompiles; for anything else build a new `Nitro` (the "
+        f"compile cache is shared, so it recompiles only what changed)."
+    )
+
+
+def set_device_values(nitro, values: dict) -> None:
+    """Validate every value first, then write them all (all or nothing)."""
+    infos = fields_of(nitro.experiment)
+    staged = {}
+    for name, value in values.items():
+        info = infos.get(name)
+        if info is None:
+            raise KeyError(
+                f"jaxnitro: set_device: {type(nitro.experiment).__name__} has no field `{name}`. "
+                f"Device fields: {sorted(nitro.device_values) or '(none)'}."
+            )
+        if info.is_graph_const:
+            _refuse(name, "it is a GraphConst field, baked into the compiled graph; a new value is a new program.")
+        if info.is_host:
+            _refuse(name, "it is a Host field, which never reaches the device.")
+        if name in nitro.bindings.device:
+            _refuse(name, "it is scheduled; the schedule rewrites it every step.")
+        current = nitro.device_values[name]
+        try:
+            arr = np.asarray(value)
+            if arr.dtype == object:
+                raise TypeError("object")
+            if np.issubdtype(current.dtype, np.integer) and not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"{arr.dtype} is not an integer type")
+            new = arr.astype(current.dtype)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"jaxnitro: set_device cannot write `{name}`: the value {value!r} does not convert to "
+                f"the field's dtype {current.dtype} ({err}). Pass a value of that dtype; for a "
+                f"different dtype build a new `Nitro`."
+            ) from None
+        if new.shape != current.shape:
+            raise ValueError(
+                f"jaxnitro: set_device cannot write `{name}`: the new value has shape {new.shape}, "
+                f"the field has shape {tuple(current.shape)}. A different shape is a different "
+                f"program; build a new `Nitro` with the new value instead."
+            )
+        staged[name] = new
+    for name, new in staged.items():
+        nitro.device_values[name] = jax.device_put(new)
+
+
+def get_device_value(nitro, name: str):
+    """The host value (NumPy scalar or array) of Device field ``name``."""
+    if name not in nitro.device_values:
+        raise KeyError(
+            f"jaxnitro: `{name}` is not a Device field of {type(nitro.experiment).__name__}; Device "
+            f"fields: {sorted(nitro.device_values) or '(none)'}."
+        )
+    value = np.asarray(jax.device_get(nitro.device_values[name]))
+    return value[()] if value.ndim == 0 else value

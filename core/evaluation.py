@@ -1,0 +1,139 @@
+"""Evaluation and prediction: one compiled forward for every split and every batch.
+
+A partial final batch is padded to the compiled width on the host, run
+through the same program, and its outputs and routed batch fields are sliced
+back to the real rows before ``metrics`` sees them, so ``metrics`` never sees
+padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .batches import batch_width, pad_batch, slice_outputs
+from .metrics import MetricAccumulator
+
+__all__ = ["evaluate_split", "predict_batch", "make_transfer", "logger_call"]
+
+LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
+
+
+def logger_call(nitro, verb: str, *args, **kwargs):
+    """Call ``nitro.logger.<verb>``; a logger lacking the verb fails loudly, naming it."""
+    logger = nitro.logger
+    if logger is None:
+        return None
+    fn = getattr(logger, verb, None)
+    if fn is None:
+        raise AttributeError(
+            f"jaxnitro: the logger {type(logger).__name__} has no `{verb}` method. A logger is any "
+            f"object with the verbs the framework calls: {', '.join(LOGGER_VERBS)}. Add `{verb}` "
+            f"(or pass logger=None to disable logging)."
+        )
+    return fn(*args, **kwargs)
+
+
+def _device_fields(nitro, hooks) -> tuple[str, ...]:
+    fields: list[str] = []
+    for h in hooks:
+        route = nitro.routes.get(h)
+        if route is not None:
+            fields += [f for f in route.fields if f not in fields]
+    return tuple(fields)
+
+
+def make_transfer(nitro, hooks):
+    """A host->device transfer of exactly the fields ``hooks`` declare (others never leave the host)."""
+    fields = _device_fields(nitro, hooks)
+    put = jax.device_put
+
+    def transfer(batch):
+        return put({f: batch[f] for f in fields if f in batch})
+
+    return transfer
+
+
+def _check_width(nitro, n: int, what: str) -> None:
+    if nitro.width is None:
+        nitro.width = n
+    elif n > nitro.width:
+        raise ValueError(
+            f"jaxnitro: {what} has {n} rows, wider than the compiled batch width {nitro.width}. "
+            f"Split it into batches of at most {nitro.width} rows (an iterable of batches works: "
+            f"`nitro.predict(batches)`), or build a handle whose data has the wider batch."
+        )
+
+
+def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
+    """Run ``split`` through the forward program, reduce ``metrics``, finalize; optionally log."""
+    e = nitro.experiment
+    progs = nitro.programs
+    forward = progs.forward()
+    device_metrics = nitro.metrics_on_device
+    metrics_prog = progs.metrics() if device_metrics else None
+    metrics_fn = nitro.hooks["metrics"].function if "metrics" in nitro.hooks else None
+    fwd_fields = _device_fields(nitro, ("forward",) + (("metrics",) if device_metrics else ()))
+    put = jax.device_put
+    width_holder = {}
+
+    def stage(batch):
+        n = batch_width(batch, f"`{split}` split's batch")
+        _check_width(nitro, n, f"a batch of split `{split}`")
+        w = nitro.width
+        padded = pad_batch({f: batch[f] for f in fwd_fields if f in batch}, w) if n < w else batch
+        width_holder["w"] = w
+        return n, batch, put({f: padded[f] for f in fwd_fields if f in padded})
+
+    acc = MetricAccumulator()
+    dev = nitro.device_values
+    first = True
+    for n, host_batch, dev_batch in nitro.data[split].epoch(0, stage):
+        if first:
+            for h in ("forward", "metrics" if metrics_fn is not None else "loss"):
+                if h in nitro.routes:
+                    nitro.routes[h].check(host_batch.keys())
+            first = False
+        outputs = forward.jitted(nitro.params, nitro.model_state, dev, dev_batch)
+        w = width_holder["w"]
+        if device_metrics:
+            out_n = slice_outputs(outputs, n, w)
+            fields = {k: v[:n] for k, v in dev_batch.items()} if n < w else dev_batch
+            res = jax.device_get(metrics_prog.jitted(dev, out_n, fields))
+            modes = metrics_prog.meta["modes"]
+            acc.add({k: (v, c if modes[k] == "count" else modes[k]) for k, (v, c) in res.items()})
+        else:
+            host_out = slice_outputs(jax.device_get(outputs), n, w)
+            if metrics_fn is not None:
+                acc.add(metrics_fn(e, host_out, **nitro.routes["metrics"].select(host_batch)))
+            elif "loss" in nitro.hooks:
+                value = nitro.hooks["loss"].function(
+                    progs.view(dev), host_out, **nitro.routes["loss"].select(host_batch)
+                )
+                acc.add({"loss": (np.asarray(value), 1)})
+    result = acc.result()
+    final = nitro.hooks["finalize_metrics"].function(e, result, split)
+    if not isinstance(final, dict):
+        raise TypeError(
+            f"jaxnitro: `finalize_metrics` returned {type(final).__name__}; it must return a dict "
+            f"of metrics (it replaces the reduced metrics for the logger, history and early stopping)."
+        )
+    if log_context is not None:
+        logger_call(nitro, "log_metrics", final, step=nitro.step, epoch=nitro.epoch, context=log_context)
+    return final
+
+
+def predict_batch(nitro, batch):
+    """Forward one batch dict in inference mode; return host outputs sliced to the real rows."""
+    route = nitro.routes["forward"]
+    route.check(batch.keys())
+    fields = {f: np.asarray(batch[f]) for f in route.fields if f in batch}
+    n = batch_width(fields, "prediction batch")
+    _check_width(nitro, n, "the prediction batch")
+    w = nitro.width
+    padded = pad_batch(fields, w) if n < w else fields
+    outputs = nitro.programs.forward().jitted(
+        nitro.params, nitro.model_state, nitro.device_values, jax.device_put(padded)
+    )
+    return slice_outputs(jax.device_get(outputs), n, w)

@@ -1,0 +1,760 @@
+"""A run's per-epoch record: :class:`MetricHistory`.
+
+One row per validated epoch. Every row has ``epoch`` (int), ``step`` (optimizer
+steps taken when the epoch closed, int) and ``train_loss`` (the epoch's mean
+training loss, float, NaN allowed), plus whatever metrics the experiment
+returned for that epoch: scalars, or arrays such as a confusion matrix.
+
+The history is data first and a display second::
+
+    h = nitro.history
+    h[10:20]                    # epochs 10 through 20 (labels, both ends included)
+    h["acc", "macro_recall"]    # two metrics; epoch and step always come along
+    h[10:20, "acc"]             # both at once
+    h.steps(2000, 6000)         # epochs that closed within steps 2000..6000
+    h[-1]                       # the last row, as a dict (position, like a list)
+    h.macro_recall              # one column as a NumPy array
+    h.to_pandas(); h.to_csv("run.csv")
+
+Printed, it is a framed table sized to the terminal that keeps the first, best
+and last epochs when it has to drop rows, and stars the best epoch. In a
+notebook it renders as an HTML table with every row.
+
+This module depends on NumPy only; pandas is imported when ``to_pandas`` is
+called.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import keyword
+import math
+import numbers
+import os
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = ["MetricHistory"]
+
+_FIXED = ("epoch", "step", "train_loss")
+_MODES = ("max", "min")
+# Lines of a printed table that are not body rows: title, three rules, header
+# and up to four footers. The rest of the terminal's height holds rows.
+_CHROME_LINES = 9
+_MIN_BODY_ROWS = 5  # first, gap, best, gap, last
+_GAP = "⋮"
+
+
+# --------------------------------------------------------------------------
+# values
+
+
+def _normalize(value: Any) -> Any:
+    """Plain Python scalars for scalars (NumPy/JAX ones included); copied arrays otherwise."""
+    if isinstance(value, np.generic):  # before the float check: np.float64 is a float
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        array = np.array(value)  # copies: the history never aliases caller memory
+    except Exception:  # noqa: BLE001 - an opaque object is kept as it is
+        return value
+    if array.ndim == 0:
+        return array.item()
+    return array
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real)
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _fmt(value: Any) -> str:
+    """One table cell: ints plain, floats with four decimals (scientific when tiny or huge)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        x = float(value)
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        if x == 0 or 1e-3 <= abs(x) < 1e6:
+            return f"{x:.4f}"
+        return f"{x:.3e}"
+    return str(value)
+
+
+def _as_int(value: Any, key: str, position: int) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(
+        f"MetricHistory: row {position} has {key}={value!r}; `{key}` must be an integer "
+        f"(the {'epoch number' if key == 'epoch' else 'optimizer steps taken so far'})."
+    )
+
+
+# --------------------------------------------------------------------------
+# thinning
+
+
+def _layout_cost(kept: set[int], n: int) -> int:
+    """Body lines needed to show positions ``kept`` of ``n``: one per row, one per gap."""
+    order = sorted(kept)
+    gaps = (order[0] > 0) + (order[-1] < n - 1)
+    gaps += sum(1 for a, b in zip(order, order[1:]) if b - a > 1)
+    return len(order) + gaps
+
+
+def _thin(n: int, best: int | None, budget: int) -> list[int]:
+    """Positions to show when ``n`` rows must fit in ``budget`` body lines.
+
+    The first row, the best row and the last row are always kept. Then blocks
+    grow around each of them in turn (head, tail, both sides of the best), a
+    row at a time, while the rows plus one ``⋮`` line per gap fit the budget. A
+    row that closes a one-row gap costs nothing and is always taken.
+    """
+    if n <= budget:
+        return list(range(n))
+    anchors = [0, n - 1] + ([best] if best is not None else [])
+    kept = set(anchors)
+    b = best if best is not None else 0
+    candidates: list[int] = []
+    for k in range(1, n):
+        candidates += [k, n - 1 - k]
+        if best is not None:
+            candidates += [b - k, b + k]
+    for p in candidates:
+        if _layout_cost(kept, n) >= budget:
+            break
+        if 0 <= p < n and p not in kept and _layout_cost(kept | {p}, n) <= budget:
+            kept.add(p)
+    # A row between two kept rows replaces its own gap line: free.
+    kept.update([p + 1 for p in list(kept) if p + 2 in kept and p + 1 not in kept])
+    return sorted(kept)
+
+
+# --------------------------------------------------------------------------
+# the history
+
+
+class MetricHistory:
+    """The per-epoch metrics of a run, as a small immutable table.
+
+    **Arguments.**
+
+    - ``rows``: one mapping per validated epoch, in epoch order (strictly
+      increasing ``epoch``). Each has ``epoch`` and ``step`` (integers) and
+      normally ``train_loss`` (float; NaN allowed, missing reads as NaN), plus
+      metrics: Python/NumPy/JAX scalars or arrays. Rows may carry different
+      keys; a scalar metric missing from a row reads as NaN there, an array
+      metric as ``None``. Values are copied in: NumPy scalars become Python
+      scalars, arrays are copied.
+    - ``monitor``: ``(name, "max" | "min")``, the metric the run selects its
+      best epoch on (the checkpointer's metric). Its column comes right after
+      ``train_loss``.
+    - ``title``: the first words of the printed title line, e.g.
+      ``"history of MnistMLP"``.
+    - ``run_dir``: the run's folder, shown in the title line.
+    - ``total_epochs``: the epochs the run was configured for, shown in the
+      title line when given (an early-stopped run has fewer rows).
+    - ``resumed_from``: the epoch a resumed run continued from; a footer says
+      that earlier epochs are not in this history.
+
+    **Columns** are ordered ``epoch, step, train_loss``, then the monitored
+    metric if any row has it, then the others in the order they first appear.
+    A column is *scalar* when every value in it is a real number; other columns
+    (arrays, strings) are reachable but not tabulated.
+
+    **Selection** always returns a new :class:`MetricHistory` with the same
+    ``monitor``, ``title``, ``run_dir``, ``total_epochs`` and ``resumed_from``;
+    its best epoch is recomputed within the selection, and exists only if the
+    monitored column was kept.
+
+    - ``h[10:20]``: epochs whose *label* lies in 10..20, **both ends
+      included** (not positions). Open ends work: ``h[5:]``, ``h[:20]``. A
+      slice step (``h[1:10:2]``) is refused.
+    - ``h["acc"]``, ``h["acc", "macro_recall"]``: those columns; ``epoch``
+      and ``step`` are always kept. Columns stay in the history's order.
+    - ``h[10:20, "acc"]``, ``h[10:20, ("acc", "f1")]``: both.
+    - ``h.steps(2000, 6000)``: epochs whose ``step`` lies in 2000..6000,
+      both ends included.
+
+    **Rows and columns.**
+
+    - ``h[-1]``, ``h[0]``: an integer picks a row by **position**, like a list
+      (``h[0]`` is the first row whatever its epoch; ``h[-1]`` the last), and
+      returns it as a dict. Use ``h[7:7]`` to select epoch 7 by label.
+    - ``h.acc``: the column as a NumPy array (``h.column("acc")`` for names
+      that are not identifiers or collide with a method). Array columns whose
+      values share a shape are stacked, ``(len(h), *shape)``; otherwise an
+      object array of length ``len(h)``.
+    - ``h.columns``, ``h.rows``, ``len(h)``, ``iter(h)`` (row dicts),
+      ``h.best`` / ``h.best_epoch``.
+
+    **Output.** ``str(h)`` / ``repr(h)`` is :meth:`table` at the terminal's
+    size; ``_repr_html_`` shows every row; :meth:`to_pandas`, :meth:`to_csv`.
+    """
+
+    __slots__ = (
+        "_rows",
+        "_columns",
+        "_scalar",
+        "_monitor",
+        "_title",
+        "_run_dir",
+        "_total_epochs",
+        "_resumed_from",
+        "_best",
+    )
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        monitor: tuple[str, Literal["max", "min"]] | None = None,
+        title: str = "history",
+        run_dir: str | os.PathLike[str] | None = None,
+        total_epochs: int | None = None,
+        resumed_from: int | None = None,
+    ) -> None:
+        if monitor is not None:
+            if not (isinstance(monitor, (tuple, list)) and len(monitor) == 2):
+                raise ValueError(
+                    "MetricHistory: `monitor` must be a pair (name, 'max' | 'min'), "
+                    f"got {monitor!r}."
+                )
+            name, mode = monitor
+            if mode not in _MODES:
+                raise ValueError(
+                    f"MetricHistory: unknown monitor mode {mode!r} for {name!r}; "
+                    "use 'max' (higher is better) or 'min' (lower is better)."
+                )
+            monitor = (str(name), mode)
+
+        seen: dict[str, None] = {}
+        for position, row in enumerate(rows):
+            if not isinstance(row, Mapping):
+                raise TypeError(
+                    f"MetricHistory: row {position} is a {type(row).__name__}; "
+                    "each row must be a dict of column name to value."
+                )
+            for key in ("epoch", "step"):
+                if key not in row:
+                    raise ValueError(
+                        f"MetricHistory: row {position} has no `{key}` "
+                        f"(it has {', '.join(map(str, row)) or 'no keys'}); "
+                        "every row needs `epoch` and `step`."
+                    )
+            for key in row:
+                seen.setdefault(str(key), None)
+
+        columns = list(_FIXED)
+        if monitor is not None and monitor[0] in seen and monitor[0] not in columns:
+            columns.append(monitor[0])
+        columns += [c for c in seen if c not in columns]
+
+        raw = [{str(k): _normalize(v) for k, v in row.items()} for row in rows]
+        scalar = {
+            c: all(r.get(c) is None or _is_number(r[c]) for r in raw) for c in columns
+        }
+        scalar.update(epoch=True, step=True, train_loss=True)
+
+        normalized: list[dict[str, Any]] = []
+        previous: int | None = None
+        for position, r in enumerate(raw):
+            out: dict[str, Any] = {}
+            for c in columns:
+                value = r.get(c)
+                if c in ("epoch", "step"):
+                    value = _as_int(value, c, position)
+                elif c == "train_loss":
+                    if value is not None and not _is_number(value):
+                        raise ValueError(
+                            f"MetricHistory: row {position} has train_loss={value!r}; "
+                            "it must be a number (NaN allowed)."
+                        )
+                    value = float("nan") if value is None else float(value)
+                elif value is None and scalar[c]:
+                    value = float("nan")
+                out[c] = value
+            if previous is not None and out["epoch"] <= previous:
+                raise ValueError(
+                    f"MetricHistory: epochs must increase row by row; row {position} has "
+                    f"epoch {out['epoch']} after epoch {previous}."
+                )
+            previous = out["epoch"]
+            normalized.append(out)
+
+        self._init(
+            normalized,
+            columns,
+            scalar,
+            monitor,
+            title,
+            None if run_dir is None else os.fspath(run_dir),
+            total_epochs,
+            resumed_from,
+        )
+
+    def _init(self, rows, columns, scalar, monitor, title, run_dir, total_epochs, resumed_from):
+        self._rows: list[dict[str, Any]] = rows
+        self._columns: list[str] = columns
+        self._scalar: dict[str, bool] = {c: scalar[c] for c in columns}
+        self._monitor = monitor
+        self._title = title
+        self._run_dir = run_dir
+        self._total_epochs = total_epochs
+        self._resumed_from = resumed_from
+        self._best = self._find_best()
+
+    def _derive(self, rows: list[dict[str, Any]], columns: list[str]) -> MetricHistory:
+        """A selection: same metadata, the given rows restricted to ``columns``."""
+        new = object.__new__(MetricHistory)
+        new._init(
+            [{c: r[c] for c in columns} for r in rows],
+            columns,
+            self._scalar,
+            self._monitor,
+            self._title,
+            self._run_dir,
+            self._total_epochs,
+            self._resumed_from,
+        )
+        return new
+
+    def _find_best(self) -> int | None:
+        if self._monitor is None:
+            return None
+        name, mode = self._monitor
+        if name not in self._columns or not self._scalar[name]:
+            return None
+        best, best_value = None, None
+        for position, row in enumerate(self._rows):
+            value = float(row[name])
+            if math.isnan(value):
+                continue
+            if best_value is None or (value > best_value if mode == "max" else value < best_value):
+                best, best_value = position, value
+        return best
+
+    # -- metadata -----------------------------------------------------------
+
+    @property
+    def columns(self) -> list[str]:
+        """Column names, in display order."""
+        return list(self._columns)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every row as a fresh dict (arrays copied), in epoch order."""
+        return [self._copy_row(r) for r in self._rows]
+
+    @property
+    def monitor(self) -> tuple[str, str] | None:
+        """``(name, "max" | "min")`` or ``None``."""
+        return self._monitor
+
+    @property
+    def title(self) -> str:
+        return self._title
+
+    @property
+    def run_dir(self) -> str | None:
+        return self._run_dir
+
+    @property
+    def total_epochs(self) -> int | None:
+        return self._total_epochs
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self._resumed_from
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The best row (max/min of the monitored metric; first on ties; NaN ignored), or ``None``.
+
+        ``None`` without a monitor, when the monitored column is not in this
+        selection, or when it is NaN in every row.
+        """
+        return None if self._best is None else self._copy_row(self._rows[self._best])
+
+    @property
+    def best_epoch(self) -> int | None:
+        """The epoch label of :attr:`best`, or ``None``."""
+        return None if self._best is None else self._rows[self._best]["epoch"]
+
+    @staticmethod
+    def _copy_row(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in row.items()}
+
+    # -- sequence protocol ----------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self._copy_row(r) for r in self._rows)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+            return self._row_at(int(key))
+        if isinstance(key, slice):
+            return self._derive(self._epoch_range(key), self._columns)
+        if isinstance(key, str):
+            return self._derive(self._rows, self._select_columns([key]))
+        if isinstance(key, (tuple, list)) and key:
+            first, rest = key[0], key[1:]
+            if isinstance(first, slice):
+                if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+                    rest = tuple(rest[0])
+                if rest and all(isinstance(k, str) for k in rest):
+                    return self._derive(self._epoch_range(first), self._select_columns(rest))
+            elif all(isinstance(k, str) for k in key):
+                return self._derive(self._rows, self._select_columns(key))
+        raise TypeError(
+            f"MetricHistory: cannot index with {key!r}. Use h[10:20] (epochs 10 to 20, "
+            'inclusive), h["acc"] or h["acc", "f1"] (metrics), h[10:20, "acc"] (both), '
+            "or an integer position, h[-1], for one row."
+        )
+
+    def _row_at(self, position: int) -> dict[str, Any]:
+        n = len(self._rows)
+        if not -n <= position < n:
+            where = "the history is empty" if n == 0 else f"it has {n} rows (positions 0..{n - 1})"
+            raise IndexError(
+                f"MetricHistory: no row at position {position}; {where}. An integer index is a "
+                "position, like a list; select epochs by label with a slice, h[7:7]."
+            )
+        return self._copy_row(self._rows[position])
+
+    def _epoch_range(self, key: slice) -> list[dict[str, Any]]:
+        if key.step is not None:
+            raise ValueError(
+                f"MetricHistory: h[{_slice_text(key)}] has a step; slices select epochs by label, "
+                "both ends included, and take no step. Select the range, h"
+                f"[{_slice_text(slice(key.start, key.stop))}], then thin it yourself, "
+                "e.g. h.rows[::2]."
+            )
+        return _in_range(self._rows, "epoch", key.start, key.stop, "h[start:stop]")
+
+    def steps(self, start: int | None = None, stop: int | None = None) -> MetricHistory:
+        """The epochs whose ``step`` lies in ``start..stop``, both ends included.
+
+        ``None`` leaves that end open: ``h.steps(6000)`` is every epoch that
+        closed at step 6000 or later. Returns a :class:`MetricHistory`.
+        """
+        return self._derive(
+            _in_range(self._rows, "step", start, stop, "h.steps(start, stop)"), self._columns
+        )
+
+    def _select_columns(self, names: Sequence[str]) -> list[str]:
+        unknown = [n for n in names if n not in self._columns]
+        if unknown:
+            raise KeyError(
+                f"MetricHistory: no column {', '.join(map(repr, unknown))}; "
+                f"the columns are {', '.join(self._columns)}."
+            )
+        wanted = {"epoch", "step", *names}
+        return [c for c in self._columns if c in wanted]
+
+    # -- columns ----------------------------------------------------------------
+
+    def column(self, name: str) -> np.ndarray:
+        """One column as a NumPy array of length ``len(h)``.
+
+        Scalar columns give a numeric array (``epoch`` and ``step`` as
+        integers; a column with a missing value as floats with NaN). Array
+        columns whose values all share one shape are stacked into
+        ``(len(h), *shape)``; anything else is a 1-D object array (``None``
+        where a row lacks the value). ``h.name`` is the same for names that
+        are identifiers and not methods of this class.
+        """
+        if name not in self._columns:
+            raise KeyError(
+                f"MetricHistory: no column {name!r}; the columns are {', '.join(self._columns)}."
+            )
+        values = [r[name] for r in self._rows]
+        if self._scalar[name]:
+            if not values:
+                return np.zeros(0, dtype=int if name in ("epoch", "step") else float)
+            return np.asarray(values)
+        if values and all(isinstance(v, np.ndarray) for v in values):
+            if len({(v.shape) for v in values}) == 1:
+                return np.stack(values)
+        out = np.empty(len(values), dtype=object)
+        for i, v in enumerate(values):
+            out[i] = v.copy() if isinstance(v, np.ndarray) else v
+        return out
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        # Only reached for names that are not attributes of the class.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            columns = object.__getattribute__(self, "_columns")
+        except AttributeError:
+            raise AttributeError(name) from None
+        if name in columns:
+            return self.column(name)
+        raise AttributeError(
+            f"MetricHistory has no column or attribute {name!r}; the columns are "
+            f"{', '.join(columns)}."
+        )
+
+    def __dir__(self) -> list[str]:
+        names = set(super().__dir__())
+        names.update(c for c in self._columns if _attr_name_ok(c))
+        return sorted(names)
+
+    # -- conversion ----------------------------------------------------------------
+
+    def to_pandas(self):
+        """A ``pandas.DataFrame`` indexed by ``epoch`` with every other column.
+
+        Scalar columns keep their NumPy dtype (int for ``step``; float where a
+        value is NaN); array columns are ``object`` columns holding one array
+        per row. Needs pandas (``pip install pandas``).
+        """
+        try:
+            import pandas as pd
+        except ImportError as error:
+            raise ImportError(
+                "MetricHistory.to_pandas() needs pandas, which is not installed; "
+                "install it with `pip install pandas` (or use h.to_csv(path) / h.rows)."
+            ) from error
+        index = pd.Index(self.column("epoch"), name="epoch")
+        data: dict[str, Any] = {}
+        for c in self._columns[1:]:
+            if self._scalar[c]:
+                data[c] = self.column(c)
+            else:
+                values = np.empty(len(self._rows), dtype=object)
+                for i, r in enumerate(self._rows):
+                    values[i] = r[c].copy() if isinstance(r[c], np.ndarray) else r[c]
+                data[c] = pd.Series(values, index=index, dtype=object)
+        return pd.DataFrame(data, index=index, columns=self._columns[1:])
+
+    def to_csv(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        """Write the scalar columns to ``path`` as CSV (header row first); returns ``path``.
+
+        Array columns are left out (a CSV cell cannot hold one; reach them as
+        ``h.name``). Floats are written with full precision, NaN as ``nan``.
+        Needs no pandas.
+        """
+        columns = [c for c in self._columns if self._scalar[c]]
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            for r in self._rows:
+                writer.writerow([_csv_cell(r[c]) for c in columns])
+        return path
+
+    # -- display -----------------------------------------------------------------
+
+    def _title_line(self, shown: int | None = None) -> str:
+        n = len(self._rows)
+        parts = []
+        if self._run_dir:
+            parts.append(self._run_dir)
+        epochs = "epoch" if n == 1 else "epochs"
+        thinned = shown is not None and shown < n
+        parts.append(f"{shown} of {n} {epochs}" if thinned else f"{n} {epochs}")
+        if self._total_epochs is not None:
+            parts.append(f"{self._total_epochs} planned")
+        return f"{self._title}  ({', '.join(parts)})"
+
+    def _empty_line(self) -> str:
+        where = f"{self._run_dir}, " if self._run_dir else ""
+        resumed = self._resumed_from
+        tail = f"; resumed from epoch {resumed}" if resumed is not None else ""
+        return f"{self._title}  ({where}no epochs yet{tail})"
+
+    def _reach(self, name: str) -> str:
+        return f"h.{name}" if _attr_name_ok(name) else f"h.column({name!r})"
+
+    def _common_footers(self) -> list[str]:
+        """Footer lines shared by the text and HTML views (best, arrays, resume)."""
+        lines = []
+        if self._best is not None:
+            name, mode = self._monitor
+            lines.append(f"* best {name} ({mode}), the monitored metric")
+        elif self._monitor is not None and self._monitor[0] in self._columns and self._rows:
+            lines.append(f"no best epoch: {self._monitor[0]} has no number in these rows")
+        hidden = [c for c in self._columns if not self._scalar[c]]
+        if hidden:
+            them = "it" if len(hidden) == 1 else "them"
+            lines.append(
+                f"not tabulated: {', '.join(hidden)} "
+                f"(reach {them} as {', '.join(self._reach(c) for c in hidden)})"
+            )
+        if self._resumed_from is not None:
+            lines.append(
+                f"resumed from epoch {self._resumed_from}: this history starts there; "
+                "earlier epochs belong to the run it resumed"
+            )
+        return lines
+
+    def table(self, width: int | None = None, max_rows: int | None = None) -> str:
+        """The history as a framed text table.
+
+        ``width`` (characters) and ``max_rows`` (body lines, ``⋮`` lines
+        included) default to the terminal's size
+        (``shutil.get_terminal_size``, 100x24 when there is no terminal;
+        the rows get the height minus 9 lines of title, rules and footers).
+
+        When the rows do not fit, the table keeps the first rows, the best
+        row with its neighbours and the last rows, writes ``⋮`` for each gap,
+        and says in a footer how many were left out and which selection would
+        show every row. Columns that do not fit ``width`` are dropped from the
+        right (the monitored metric last) and named in a footer. Only scalar
+        columns are tabulated; the others are named in a footer. The best row
+        ends with ``*``.
+        """
+        if not self._rows:
+            return self._empty_line()
+        size = shutil.get_terminal_size((100, 24))
+        if width is None:
+            width = size.columns
+        if max_rows is None:
+            max_rows = size.lines - _CHROME_LINES
+        budget = max(int(max_rows), _MIN_BODY_ROWS)
+
+        n = len(self._rows)
+        shown = _thin(n, self._best, budget)
+        star = self._best is not None
+
+        columns = [c for c in self._columns if self._scalar[c]]
+        cells = {c: [_fmt(self._rows[p][c]) for p in shown] for c in columns}
+        widths = {c: max([len(c)] + [len(s) for s in cells[c]]) for c in columns}
+
+        def content_width(cols: list[str]) -> int:
+            return sum(widths[c] for c in cols) + 2 * (len(cols) - 1) + (2 if star else 0)
+
+        # Drop from the right; the fixed columns and the monitored metric go last.
+        monitor = self._monitor[0] if self._monitor else None
+        protected = [c for c in ("epoch", monitor, "train_loss", "step") if c in columns]
+        drop_order = [c for c in reversed(columns) if c not in protected] + protected[:0:-1]
+        dropped: list[str] = []
+        visible = list(columns)
+        for c in drop_order:
+            if content_width(visible) + 4 <= width:
+                break
+            visible.remove(c)
+            dropped.append(c)
+        inner = content_width(visible)
+
+        def line(texts: list[str], mark: bool) -> str:
+            body = "  ".join(t.rjust(widths[c]) for c, t in zip(visible, texts))
+            if star:
+                body += " *" if mark else "  "
+            return f"│ {body} │"
+
+        out = [self._title_line(len(shown))]
+        out.append("┌" + "─" * (inner + 2) + "┐")
+        out.append(line(visible, False))
+        out.append("├" + "─" * (inner + 2) + "┤")
+        previous = -1
+        for i, p in enumerate(shown):
+            if p != previous + 1:
+                out.append("│ " + _GAP.rjust(widths[visible[0]]).ljust(inner) + " │")
+            out.append(line([cells[c][i] for c in visible], p == self._best))
+            previous = p
+        out.append("└" + "─" * (inner + 2) + "┘")
+
+        footers = self._common_footers()
+        if len(shown) < n:
+            tail = self._rows[max(n - budget, 0)]["epoch"]
+            footers.insert(
+                1 if self._best is not None else 0,
+                f"{n - len(shown)} of {n} epochs thinned to fit; select fewer, "
+                f"`h[{tail}:{self._rows[-1]['epoch']}]` say, for every row",
+            )
+        if dropped:
+            names = [c for c in columns if c in dropped]
+            quoted = ", ".join(repr(c) for c in names)
+            footers.append(
+                f"not shown, the table would pass {width} characters: {', '.join(names)} "
+                f"(select them, h[{quoted}], or widen the terminal)"
+            )
+        out += ["  " + f for f in footers]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        """Every row as an HTML table; the best row is bold and starred."""
+        esc = html.escape
+        if not self._rows:
+            return f"<div class='jaxnitro-history'><p>{esc(self._empty_line())}</p></div>"
+        star = self._best is not None
+        columns = [c for c in self._columns if self._scalar[c]]
+        head = "".join(f"<th>{esc(c)}</th>" for c in columns) + ("<th></th>" if star else "")
+        body = []
+        for p, r in enumerate(self._rows):
+            is_best = p == self._best
+            tds = "".join(
+                f"<td style='text-align:right'>{esc(_fmt(r[c]))}</td>" for c in columns
+            )
+            if star:
+                tds += f"<td>{'*' if is_best else ''}</td>"
+            attrs = " class='best' style='font-weight:bold'" if is_best else ""
+            body.append(f"<tr{attrs}>{tds}</tr>")
+        footers = "".join(f"<div>{esc(f)}</div>" for f in self._common_footers())
+        return (
+            f"<div class='jaxnitro-history'><div><strong>{esc(self._title_line())}</strong></div>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"{footers}</div>"
+        )
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def _attr_name_ok(name: str) -> bool:
+    return (
+        name.isidentifier()
+        and not keyword.iskeyword(name)
+        and not name.startswith("_")
+        and not hasattr(MetricHistory, name)
+    )
+
+
+def _slice_text(s: slice) -> str:
+    text = f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+    return text if s.step is None else f"{text}:{s.step}"
+
+
+def _in_range(rows, key, start, stop, form) -> list[dict[str, Any]]:
+    for bound in (start, stop):
+        if bound is not None and (not _is_number(bound) or isinstance(bound, bool)):
+            raise TypeError(
+                f"MetricHistory: {form} takes numbers (or None for an open end), got {bound!r}."
+            )
+    return [
+        r
+        for r in rows
+        if (start is None or r[key] >= start) and (stop is None or r[key] <= stop)
+    ]
+
+
+def _csv_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else repr(value)
+    return str(value)

@@ -1,0 +1,110 @@
+"""Reducing ``metrics`` results over a whole split.
+
+``metrics`` returns ``{name: (value, mode)}`` per batch:
+
+* ``(value, count)`` with a number (or numeric array) as ``count``: values and
+  counts are summed over the split and divided once at the end;
+* ``(value, "sum")``: summed, never divided (a confusion matrix);
+* ``(value, "max")`` / ``(value, "min")``: elementwise extreme over batches;
+* ``(value, "concat")``: concatenated along axis 0 (per-example outputs).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["MetricAccumulator", "MODES", "check_metric_entry"]
+
+MODES = ("count", "sum", "max", "min", "concat")
+
+
+def check_metric_entry(name: str, entry) -> str:
+    """Validate one ``metrics`` entry and return its mode name.
+
+    Raises ``TypeError`` when the entry is not a ``(value, mode)`` pair and
+    ``ValueError`` naming the metric for an unknown mode string.
+    """
+    if not (isinstance(entry, tuple) and len(entry) == 2):
+        raise TypeError(
+            f"jaxnitro: metric `{name}` is {type(entry).__name__}, not a (value, mode) pair. "
+            f"Return `{{'{name}': (value, count)}}` for a mean with its own denominator, or "
+            f"`(value, 'sum' | 'max' | 'min' | 'concat')`."
+        )
+    mode = entry[1]
+    if isinstance(mode, str):
+        if mode not in MODES[1:]:
+            raise ValueError(
+                f"jaxnitro: metric `{name}` has unknown mode {mode!r}. Known modes: a count "
+                f"(a number: summed and divided once), 'sum', 'max', 'min', 'concat'."
+            )
+        return mode
+    if isinstance(mode, (numbers.Number, np.ndarray, np.generic)) or hasattr(mode, "dtype"):
+        return "count"
+    raise ValueError(
+        f"jaxnitro: metric `{name}` has mode of type {type(mode).__name__}. The mode is a count "
+        f"(a number) or one of 'sum', 'max', 'min', 'concat'."
+    )
+
+
+class MetricAccumulator:
+    """Accumulates per-batch ``metrics`` results on the host and reduces them once.
+
+    ``add(results)`` takes one batch's ``{name: (value, mode)}`` (host values);
+    ``result()`` returns ``{name: reduced value}`` with counted metrics divided
+    and ``"sum"`` metrics as raw totals. A metric's mode may not change between
+    batches.
+    """
+
+    def __init__(self) -> None:
+        self._modes: dict[str, str] = {}
+        self._totals: dict[str, object] = {}
+        self._counts: dict[str, object] = {}
+
+    def add(self, results: dict) -> None:
+        if not isinstance(results, dict):
+            raise TypeError(
+                f"jaxnitro: `metrics` returned {type(results).__name__}; it must return a dict "
+                f"{{name: (value, mode)}}."
+            )
+        for name, entry in results.items():
+            mode = check_metric_entry(name, entry)
+            value = np.asarray(entry[0])
+            known = self._modes.setdefault(name, mode)
+            if known != mode:
+                raise ValueError(
+                    f"jaxnitro: metric `{name}` changed mode from {known!r} to {mode!r} between "
+                    f"batches; a metric keeps one mode for the whole split."
+                )
+            if name not in self._totals:
+                self._totals[name] = [value] if mode == "concat" else value.astype(
+                    np.result_type(value.dtype, np.float64) if mode == "count" else value.dtype
+                )
+                if mode == "count":
+                    self._counts[name] = np.asarray(entry[1], dtype=np.float64)
+                continue
+            if mode == "count":
+                self._totals[name] = self._totals[name] + value
+                self._counts[name] = self._counts[name] + np.asarray(entry[1], dtype=np.float64)
+            elif mode == "sum":
+                self._totals[name] = self._totals[name] + value
+            elif mode == "max":
+                self._totals[name] = np.maximum(self._totals[name], value)
+            elif mode == "min":
+                self._totals[name] = np.minimum(self._totals[name], value)
+            else:
+                self._totals[name].append(value)
+
+    def result(self) -> dict:
+        out = {}
+        for name, mode in self._modes.items():
+            total = self._totals[name]
+            if mode == "count":
+                value = total / self._counts[name]
+            elif mode == "concat":
+                value = np.concatenate([np.atleast_1d(v) for v in total], axis=0)
+            else:
+                value = total
+            out[name] = value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
+        return out

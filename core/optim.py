@@ -1,0 +1,172 @@
+"""The optimizer: parameter groups, optax rules, decoupled decay and injected hyperparameters.
+
+Every group gets ``optax.inject_hyperparams(rule)`` with two hyperparameters,
+``learning_rate`` and ``weight_decay`` (decoupled, scaled by the rate as in
+AdamW). Their values enter the optimizer program each step as one small
+float32 vector (:class:`HyperLayout` says which slot is which), so a constant,
+a schedule and a changed schedule all run the same compiled program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .cache import stable_key
+
+__all__ = ["GroupSpec", "OptimizerSpec", "HyperLayout", "keypath_of", "build_optimizer_spec"]
+
+HYPERS = ("learning_rate", "weight_decay")
+
+
+def keypath_of(path) -> tuple:
+    """Turn a JAX key path into a plain tuple of ``str`` (attributes, dict keys) and ``int``."""
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+        elif isinstance(k, jax.tree_util.DictKey):
+            out.append(k.key)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(k.key)
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One parameter group: its rule factory, base ratio, decay and size."""
+
+    name: str
+    rule: Callable
+    ratio: float
+    weight_decay: float
+    n_params: int
+
+    @property
+    def rule_name(self) -> str:
+        return getattr(self.rule, "__name__", repr(self.rule))
+
+
+@dataclass(frozen=True)
+class HyperLayout:
+    """Slots of the per-step hyperparameter vector: ``slots[i] == (group, hyper)``."""
+
+    slots: tuple[tuple[str, str], ...]
+
+    def index(self, group: str, hyper: str) -> int:
+        return self.slots.index((group, hyper))
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Everything the optimizer program is built from (its cache key is :meth:`key`)."""
+
+    groups: tuple[GroupSpec, ...]
+    labels: object  # pytree of group names, same structure as the trainable params
+    clip_norm: float
+    layout: HyperLayout
+
+    def key(self) -> tuple:
+        return (
+            tuple((g.name, stable_key(g.rule), g.weight_decay != 0.0) for g in self.groups),
+            tuple(jax.tree_util.tree_leaves(self.labels)),
+            float(self.clip_norm),
+        )
+
+    def transformation(self, decay_scheduled: bool = False) -> optax.GradientTransformation:
+        """The optax transformation: clipping (if on), then one injected rule per group."""
+        per_group = {}
+        for g in self.groups:
+            per_group[g.name] = optax.inject_hyperparams(_decoupled(g.rule))(
+                learning_rate=np.asarray(g.ratio, np.float32),
+                weight_decay=np.asarray(g.weight_decay, np.float32),
+            )
+        labels = self.labels  # an eqx.Module is callable: hand optax a function, not the tree
+        tx = optax.multi_transform(per_group, lambda _params: labels)
+        if self.clip_norm and self.clip_norm > 0:
+            tx = optax.chain(optax.clip_by_global_norm(self.clip_norm), tx)
+        return tx
+
+    def base_vector(self, base_lr: float) -> np.ndarray:
+        """The hyperparameter vector with no schedule: ``ratio * base_lr`` and each group's decay."""
+        out = np.zeros(len(self.layout.slots), np.float32)
+        for i, (group, hyper) in enumerate(self.layout.slots):
+            g = next(x for x in self.groups if x.name == group)
+            out[i] = g.ratio * base_lr if hyper == "learning_rate" else g.weight_decay
+        return out
+
+
+def _decoupled(rule: Callable) -> Callable:
+    def make(learning_rate, weight_decay):
+        return optax.chain(rule(learning_rate), optax.add_decayed_weights(-learning_rate * weight_decay))
+
+    make.__name__ = getattr(rule, "__name__", "rule")
+    return make
+
+
+def set_hypers(opt_state, spec: OptimizerSpec, vector):
+    """Write the per-step hyperparameter ``vector`` into ``opt_state`` (inside a traced program)."""
+    clipped = spec.clip_norm and spec.clip_norm > 0
+    mt = opt_state[1] if clipped else opt_state
+    inner = dict(mt.inner_states)
+    for i, (group, hyper) in enumerate(spec.layout.slots):
+        masked = inner[group]
+        st = masked.inner_state
+        hp = dict(st.hyperparams)
+        hp[hyper] = vector[i]
+        inner[group] = masked._replace(inner_state=st._replace(hyperparams=hp))
+    mt = mt._replace(inner_states=inner)
+    if clipped:
+        return (opt_state[0], mt) + tuple(opt_state[2:])
+    return mt
+
+
+def build_optimizer_spec(e, hooks, params, clip_norm: float) -> OptimizerSpec:
+    """Resolve groups, rules, ratios and decays from the experiment's hooks.
+
+    ``hooks`` maps hook names to :class:`~jaxnitro.plugin_manager.ResolvedHook`.
+    Raises ``ValueError`` naming the group when a ratio or decay is negative or
+    a rule is not callable.
+    """
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    group_of = hooks["param_group"].function
+    names = []
+    counts: dict[str, int] = {}
+    for path, leaf in leaves_with_paths:
+        g = group_of(e, keypath_of(path))
+        if not isinstance(g, str):
+            raise TypeError(
+                f"jaxnitro: `param_group` returned {g!r} for {keypath_of(path)}; it must return a "
+                f"group name (str)."
+            )
+        names.append(g)
+        counts[g] = counts.get(g, 0) + int(np.size(leaf))
+    labels = jax.tree_util.tree_unflatten(treedef, names)
+    groups = []
+    slots = []
+    for name in sorted(counts):
+        rule = hooks["optimizer"].function(e, name)
+        if not callable(rule):
+            raise TypeError(
+                f"jaxnitro: `optimizer` returned {rule!r} for group `{name}`; return an optax rule "
+                f"factory such as `optax.radam` (called with `learning_rate`)."
+            )
+        ratio = float(hooks["learning_rate_ratio"].function(e, name))
+        decay = float(hooks["weight_decay"].function(e, name))
+        if ratio < 0 or decay < 0:
+            raise ValueError(
+                f"jaxnitro: group `{name}` has learning_rate_ratio={ratio} and weight_decay={decay}; "
+                f"both must be >= 0."
+            )
+        groups.append(GroupSpec(name, rule, ratio, decay, counts[name]))
+        slots += [(name, h) for h in HYPERS]
+    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), HyperLayout(tuple(slots)))

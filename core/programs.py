@@ -1,0 +1,263 @@
+"""The compiled programs: what runs on the device, built from the experiment's hooks.
+
+Four kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
+
+* ``train_step`` — forward, loss and gradient of one batch, added to the
+  accumulated gradient of the earlier micro-batches, scaled by ``1/accum``,
+  clipped and applied by the optimizer. One dispatch per optimizer step.
+  Key: the traced hooks, GraphConst values, model structure, routing and the
+  optimizer (rules, groups, ``gradient_clip_norm``).
+* ``accumulate`` — forward, loss and gradient of one micro-batch added to the
+  running sum; used for the first ``accum - 1`` micro-batches of a step.
+  Key: the same minus the optimizer.
+* ``forward`` — ``forward`` in inference mode, for validation, evaluation and
+  prediction alike.
+* ``metrics`` — ``metrics`` traced on the device (``metrics_residency`` =
+  ``"device"``).
+
+Every program takes the trainable arrays, the model state and the Device
+values as inputs, so Device values, schedules and seeds never enter a key.
+Per-step scalars (the loss and ``train_metrics``) come back as one float32
+vector, read by the host in bulk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import Program, get_program, stable_key
+from .experiment import make_view
+from .markers import StrippedHost
+from .metrics import check_metric_entry
+from .optim import OptimizerSpec, set_hypers
+from .routing import Route
+
+__all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
+
+
+@dataclass(frozen=True)
+class ModelSkeleton:
+    """The non-trainable part of a model (``eqx.partition``'s static half) and its key."""
+
+    static: object
+    key: tuple
+
+
+def split_model(model):
+    """Partition ``model`` once into trainable arrays and a :class:`ModelSkeleton`."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    leaves, treedef = jax.tree_util.tree_flatten(static)
+    key = (stable_key(treedef), tuple(stable_key(x) for x in leaves))
+    return params, ModelSkeleton(static, key)
+
+
+def _check_forward_result(res, state, cls_name: str):
+    if not (isinstance(res, tuple) and len(res) == 2):
+        what = f"a tuple of {len(res)}" if isinstance(res, tuple) else type(res).__name__
+        raise TypeError(
+            f"jaxnitro: `forward` of {cls_name} returned {what}; it must return "
+            f"`(outputs, state)`. For a stateless model return `(outputs, state)` with the `state` "
+            f"argument it received (None); with `eqx.nn.State`, return the updated state."
+        )
+    outputs, new_state = res
+    if new_state is not None and not isinstance(new_state, eqx.nn.State):
+        raise TypeError(
+            f"jaxnitro: `forward` of {cls_name} returned `(outputs, {type(new_state).__name__})`; "
+            f"the second element must be the model state (`eqx.nn.State`, or the `state` argument "
+            f"as received, None for a stateless model). To return several outputs, put them in "
+            f"the first element: `return (a, b), state`."
+        )
+    if state is not None and new_state is None:
+        raise TypeError(
+            f"jaxnitro: `forward` of {cls_name} returned `(outputs, None)` for a model with state; "
+            f"return the updated `eqx.nn.State` as the second element."
+        )
+    return outputs, new_state
+
+
+class ProgramSet:
+    """The programs of one handle, looked up in the module-level cache.
+
+    Construct with everything that shapes the graphs; programs are requested
+    (and, on first call with a new signature, compiled) lazily by the verbs.
+    """
+
+    def __init__(
+        self,
+        *,
+        cls,
+        hooks: dict,
+        routes: dict[str, Route],
+        graph_values: dict,
+        host_fields: tuple[str, ...],
+        skeleton: ModelSkeleton,
+        device_metrics: bool,
+    ):
+        self.cls = cls
+        self.hooks = hooks
+        self.routes = routes
+        self.graph_values = dict(graph_values)
+        self.host_values = {n: StrippedHost(n, cls.__name__) for n in host_fields}
+        self.skeleton = skeleton
+        self.has_train_metrics = "train_metrics" in hooks
+        self.device_metrics = device_metrics
+        self._base_key = (
+            cls,
+            tuple(sorted((k, stable_key(v)) for k, v in self.graph_values.items())),
+            skeleton.key,
+        )
+
+    # -- helpers used inside traces ------------------------------------------
+
+    def view(self, dev: dict):
+        """The experiment as traced code sees it: Device values as tracers, Host fields stripped."""
+        return make_view(self.cls, {**self.host_values, **self.graph_values, **dev})
+
+    def _hook(self, name: str) -> Callable:
+        return self.hooks[name].function
+
+    def _hook_key(self, *names) -> tuple:
+        return tuple((n, self.hooks[n].function, self.routes.get(n)) for n in names if n in self.hooks)
+
+    def _forward(self, view, params, state, batch, inference: bool):
+        model = eqx.combine(params, self.skeleton.static)
+        if inference:
+            model = eqx.nn.inference_mode(model)
+        res = self._hook("forward")(view, model, state, **self.routes["forward"].select(batch))
+        return _check_forward_result(res, state, self.cls.__name__)
+
+    def _loss_and_aux(self, params, state, dev, batch, meta):
+        view = self.view(dev)
+        outputs, new_state = self._forward(view, params, state, batch, inference=False)
+        loss = self._hook("loss")(view, outputs, **self.routes["loss"].select(batch))
+        loss = jnp.asarray(loss)
+        if loss.shape != ():
+            raise TypeError(
+                f"jaxnitro: `loss` of {self.cls.__name__} returned an array of shape {loss.shape}; "
+                f"it must return a scalar (reduce over the batch, e.g. with `.mean()`)."
+            )
+        aux = [loss.astype(jnp.float32)]
+        names = ()
+        if self.has_train_metrics:
+            tm = self._hook("train_metrics")(view, outputs, **self.routes["train_metrics"].select(batch))
+            if not isinstance(tm, dict):
+                raise TypeError(
+                    f"jaxnitro: `train_metrics` of {self.cls.__name__} returned "
+                    f"{type(tm).__name__}; it must return a dict {{name: scalar}}."
+                )
+            names = tuple(tm)
+            for k, v in tm.items():
+                v = jnp.asarray(v)
+                if v.shape != ():
+                    raise TypeError(
+                        f"jaxnitro: train metric `{k}` has shape {v.shape}; `train_metrics` returns "
+                        f"per-step scalars. Reduce it, or report it from `metrics` instead."
+                    )
+                aux.append(v.astype(jnp.float32))
+        meta["aux_names"] = ("loss",) + names
+        return loss, (new_state, jnp.stack(aux))
+
+    def _grads(self, params, state, dev, batch, meta):
+        (_, (new_state, aux)), grads = jax.value_and_grad(self._loss_and_aux, has_aux=True)(
+            params, state, dev, batch, meta
+        )
+        return grads, new_state, aux
+
+    # -- programs ---------------------------------------------------------------
+
+    def train_key(self) -> tuple:
+        return self._base_key + self._hook_key("forward", "loss", "train_metrics")
+
+    def accumulate(self) -> Program:
+        """``(params, state, dev, batch, acc) -> (acc, state)``; ``acc = (grad sum, aux sum)``.
+
+        ``acc`` is None for the first micro-batch of a step.
+        """
+
+        def build(meta):
+            def accumulate(params, state, dev, batch, acc):
+                grads, new_state, aux = self._grads(params, state, dev, batch, meta)
+                if acc is None:
+                    return (grads, aux), new_state
+                acc_grads, acc_aux = acc
+                acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
+                return (acc_grads, acc_aux + aux), new_state
+
+            return accumulate
+
+        return get_program("accumulate", self.train_key(), build, donate_argnums=(1, 4))
+
+    def train_step(self, opt: OptimizerSpec, tx) -> Program:
+        """``(params, state, opt_state, dev, batch, acc, scale, hypers)`` ->
+        ``(params, state, opt_state, aux)``.
+
+        ``acc`` is None for ``accum == 1``; ``scale`` is ``1/accum`` (an input,
+        so every ``accum`` shares the program); ``hypers`` is the per-step
+        hyperparameter vector laid out by ``opt.layout``.
+        """
+
+        def build(meta):
+            def train_step(params, state, opt_state, dev, batch, acc, scale, hypers):
+                grads, new_state, aux = self._grads(params, state, dev, batch, meta)
+                if acc is not None:
+                    acc_grads, acc_aux = acc
+                    grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
+                    aux = acc_aux + aux
+                grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
+                opt_state = set_hypers(opt_state, opt, hypers)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                params = eqx.apply_updates(params, updates)
+                return params, new_state, opt_state, aux * scale
+
+            return train_step
+
+        return get_program(
+            "train_step", self.train_key() + (opt.key(),), build, donate_argnums=(0, 1, 2)
+        )
+
+    def forward(self) -> Program:
+        """``(params, state, dev, batch) -> outputs``, the model in inference mode."""
+
+        def build(meta):
+            def forward(params, state, dev, batch):
+                outputs, _ = self._forward(self.view(dev), params, state, batch, inference=True)
+                return outputs
+
+            return forward
+
+        return get_program("forward", self._base_key + self._hook_key("forward"), build)
+
+    def metrics(self) -> Program:
+        """``(dev, outputs, batch) -> {name: (value, count)}`` for device-resident metrics.
+
+        Modes are fixed at trace time; a string mode travels as count ``0``
+        and is restored on the host from ``program.meta["modes"]``.
+        """
+        def build(meta):
+            modes = meta.setdefault("modes", {})
+
+            def metrics(dev, outputs, batch):
+                res = self._hook("metrics")(self.view(dev), outputs, **self.routes["metrics"].select(batch))
+                out = {}
+
+                for name, entry in res.items():
+                    mode = check_metric_entry(name, entry)
+                    modes[name] = entry[1] if mode != "count" else "count"
+                    count = entry[1] if mode == "count" else 0
+                    out[name] = (jnp.asarray(entry[0]), jnp.asarray(count, jnp.float32))
+                return out
+
+            return metrics
+
+        return get_program("metrics", self._base_key + self._hook_key("metrics"), build)
+
+
+def zeros_like_tree(tree):
+    """Zeros with the structure, shapes and dtypes of ``tree`` (host-built, then placed)."""
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(np.shape(x), x.dtype), tree)

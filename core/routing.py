@@ -1,0 +1,71 @@
+"""Routing batch fields to hooks by their keyword-only parameters.
+
+A hook declares the batch fields it wants as keyword-only parameters::
+
+    def loss(self, outputs, *, label, weight=None): ...
+
+``label`` is required, ``weight`` optional. Signatures are read once at setup
+into :class:`Route` objects; a field no hook declares never leaves the host.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+__all__ = ["Route", "route_of", "BatchFieldError"]
+
+
+class BatchFieldError(KeyError):
+    """A hook needs a batch field the batch does not have."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Route:
+    """The batch fields one hook receives: ``required`` and ``optional`` (has a default)."""
+
+    hook: str
+    required: tuple[str, ...]
+    optional: tuple[str, ...]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+    def check(self, batch_fields) -> None:
+        """Raise :class:`BatchFieldError` if a required field is missing from ``batch_fields``."""
+        missing = [f for f in self.required if f not in batch_fields]
+        if missing:
+            raise BatchFieldError(
+                f"jaxnitro: hook `{self.hook}` requires batch field(s) {missing} but the batch "
+                f"has {sorted(batch_fields)}. The hook declares {list(self.required)} as required "
+                f"keyword-only parameters{' and ' + str(list(self.optional)) + ' as optional' if self.optional else ''}. "
+                f"Fix: have the data source yield a field of that name, rename the hook's "
+                f"keyword to match the batch, or give the keyword a default to make it optional."
+            )
+
+    def select(self, batch: dict) -> dict:
+        """The subset of ``batch`` this hook receives (optional fields only when present)."""
+        return {f: batch[f] for f in self.fields if f in batch}
+
+
+def route_of(hook: str, function) -> Route:
+    """Read the keyword-only parameters of ``function`` into a :class:`Route`.
+
+    ``**kwargs`` is refused: routing must know the field names at setup.
+    """
+    sig = inspect.signature(function)
+    required, optional = [], []
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.KEYWORD_ONLY:
+            (optional if p.default is not inspect.Parameter.empty else required).append(p.name)
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            raise TypeError(
+                f"jaxnitro: hook `{hook}` takes **{p.name}; batch fields are routed by name, so "
+                f"declare each field it uses as a keyword-only parameter (`def {hook}(self, ..., *, "
+                f"img, label)`)."
+            )
+    return Route(hook, tuple(required), tuple(optional))

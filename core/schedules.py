@@ -1,0 +1,141 @@
+"""Schedules: binding keys to optimizer hyperparameters or Device fields, and materializing them.
+
+``schedules()`` returns ``{key: factory}``; each factory is called once with the
+run's total number of optimizer steps and returns ``schedule(step) -> value``
+(an optax schedule works as is: ``lambda total: optax.cosine_onecycle_schedule(total, 1e-3)``).
+
+Keys:
+
+* ``"learning_rate"`` / ``"weight_decay"``: every group's optimizer
+  hyperparameter (the learning rate is multiplied by each group's ratio);
+* a Device field's name: the field is rewritten every step;
+* ``{"opt": {"learning_rate": f, "encoder": {"learning_rate": g}}}`` and
+  ``{"device": {"smoothing": f}}``: qualified forms; a group path binds one
+  group and overrides a bare key for it.
+
+A bare key naming both an optimizer hyperparameter and a Device field is an
+ambiguity error that shows both qualified forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .optim import HYPERS
+
+__all__ = ["Bindings", "bind_schedules", "materialize"]
+
+
+@dataclass
+class Bindings:
+    """Where each schedule landed: ``opt[(group or None, hyper)]`` and ``device[field]``."""
+
+    opt: dict = field(default_factory=dict)
+    device: dict = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.opt or self.device)
+
+    def describe(self) -> list[tuple[str, str]]:
+        rows = [
+            (f"opt/{g}/{h}" if g else f"opt/{h}", "optimizer hyperparameter")
+            for (g, h) in self.opt
+        ]
+        rows += [(f"device/{k}", "Device field") for k in self.device]
+        return rows
+
+
+def _check_factory(key: str, value):
+    if not callable(value):
+        raise TypeError(
+            f"jaxnitro: schedule `{key}` is {value!r}; a schedule is a factory of the horizon, "
+            f"`total_steps -> (step -> value)`, e.g. `lambda total: optax.linear_schedule(1e-3, 0, total)`. "
+            f"For a constant, use `lambda total: lambda step: 1e-3`."
+        )
+    return value
+
+
+def bind_schedules(schedules, device_fields: dict, groups: tuple[str, ...]) -> Bindings:
+    """Bind the ``schedules`` dict to optimizer slots and Device fields; raise on unknown keys.
+
+    ``device_fields`` maps Device field names to FieldInfo; ``groups`` lists the
+    parameter group names.
+    """
+    b = Bindings()
+    if not schedules:
+        return b
+    if not isinstance(schedules, dict):
+        raise TypeError(f"jaxnitro: `schedules` must be a dict of key -> factory, got {type(schedules).__name__}.")
+    for key, value in schedules.items():
+        if key == "opt":
+            if not isinstance(value, dict):
+                raise TypeError("jaxnitro: schedules['opt'] must be a dict: {'learning_rate': f, 'group': {...}}.")
+            for k, v in value.items():
+                if k in HYPERS:
+                    b.opt[(None, k)] = _check_factory(f"opt/{k}", v)
+                elif k in groups and isinstance(v, dict):
+                    for h, f in v.items():
+                        if h not in HYPERS:
+                            raise KeyError(
+                                f"jaxnitro: schedule `opt/{k}/{h}`: unknown optimizer hyperparameter "
+                                f"`{h}`; schedulable: {', '.join(HYPERS)}."
+                            )
+                        b.opt[(k, h)] = _check_factory(f"opt/{k}/{h}", f)
+                else:
+                    raise KeyError(
+                        f"jaxnitro: schedule `opt/{k}` names neither an optimizer hyperparameter "
+                        f"({', '.join(HYPERS)}) nor a parameter group ({', '.join(groups)})."
+                    )
+        elif key == "device":
+            if not isinstance(value, dict):
+                raise TypeError("jaxnitro: schedules['device'] must be a dict: {'field': f}.")
+            for k, v in value.items():
+                if k not in device_fields:
+                    raise KeyError(
+                        f"jaxnitro: schedule `device/{k}`: `{k}` is not a Device field; Device "
+                        f"fields: {', '.join(device_fields) or '(none)'}."
+                    )
+                b.device[k] = _check_factory(f"device/{k}", v)
+        else:
+            in_opt, in_dev = key in HYPERS, key in device_fields
+            if in_opt and in_dev:
+                raise KeyError(
+                    f"jaxnitro: schedule key `{key}` is ambiguous: it names both an optimizer "
+                    f"hyperparameter and a Device field. Say which: "
+                    f"{{'opt': {{'{key}': ...}}}} or {{'device': {{'{key}': ...}}}}."
+                )
+            if in_opt:
+                b.opt[(None, key)] = _check_factory(key, value)
+            elif in_dev:
+                b.device[key] = _check_factory(key, value)
+            else:
+                raise KeyError(
+                    f"jaxnitro: unknown schedule key `{key}`. Schedulable: optimizer hyperparameters "
+                    f"({', '.join(HYPERS)}), Device fields ({', '.join(device_fields) or 'none'}), or "
+                    f"the qualified forms {{'opt': {{...}}}} / {{'device': {{...}}}}."
+                )
+    return b
+
+
+def materialize(factory, total: int, name: str) -> np.ndarray:
+    """Call ``factory(total)`` and evaluate the schedule at steps ``0 .. total-1`` as float32.
+
+    Tries one vectorized call on ``np.arange(total)`` (optax schedules accept
+    arrays) and falls back to one call per step.
+    """
+    schedule = factory(total)
+    if not callable(schedule):
+        raise TypeError(
+            f"jaxnitro: schedule `{name}`'s factory returned {schedule!r}; it must return a "
+            f"function of the step."
+        )
+    steps = np.arange(total)
+    try:
+        values = np.asarray(schedule(steps), dtype=np.float32)
+        if values.shape == (total,):
+            return values
+    except Exception:
+        pass
+    return np.asarray([float(schedule(int(s))) for s in steps], dtype=np.float32)

@@ -1,0 +1,114 @@
+"""The stale-handle report: what was redefined since a handle was built.
+
+A handle keeps what it resolved at construction. When, afterwards, a hook is
+redefined (a monkeypatched method, or the experiment class redefined by
+re-running a notebook cell) or a scalar run-knob accessor answers
+differently, every entry point prints what changed and how to rebuild.
+Silent when nothing changed; ``jn.set_config_report(False)`` silences it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from .experiment import is_experiment
+from .hookspecs import EXPERIMENT_HOOKS
+from .knobs import SCALAR_KNOBS, accessor_of
+
+__all__ = ["Snapshot", "set_config_report"]
+
+_enabled = True
+
+
+def set_config_report(enabled: bool) -> bool:
+    """Turn the stale-handle report on or off for the process; return the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def _same_code(a, b) -> bool:
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if ca is None or cb is None:
+        return a is b
+    return ca.co_code == cb.co_code and ca.co_consts == cb.co_consts and ca.co_names == cb.co_names
+
+
+@dataclass
+class Snapshot:
+    """What a handle resolved at construction that can be redefined later."""
+
+    cls: type
+    hooks: dict  # hook name -> function (experiment-defined hooks), None when absent
+    knobs: dict  # knob name -> (accessor function, value at construction)
+
+    @classmethod
+    def take(cls, nitro) -> "Snapshot":
+        e_cls = type(nitro.experiment)
+        hooks = {h: getattr(e_cls, h, None) for h in EXPERIMENT_HOOKS}
+        knobs = {
+            name: (r.accessor, r.value)
+            for name, r in nitro.knobs.items()
+            if r.source == "accessor" and name in SCALAR_KNOBS
+        }
+        return cls(e_cls, hooks, knobs)
+
+    def changes(self, nitro) -> list[str]:
+        """Lines describing what changed since construction (empty when nothing did)."""
+        e = nitro.experiment
+        lines = []
+        current_cls = self.cls
+        module = sys.modules.get(self.cls.__module__)
+        newer = getattr(module, self.cls.__qualname__, None) if module is not None else None
+        redefined_class = newer is not None and newer is not self.cls and is_experiment(newer)
+        if redefined_class:
+            current_cls = newer
+        for name, (accessor, value) in self.knobs.items():
+            now_fn = getattr(current_cls, name, None)
+            if now_fn is None:
+                continue
+            if now_fn is accessor or _same_code(now_fn, accessor):
+                continue
+            try:
+                now = now_fn(e)
+            except Exception as err:  # an accessor that no longer runs is a change too
+                now = f"<raises {type(err).__name__}>"
+            if now != value:
+                lines.append(
+                    f"! `{name}` returned {value!r} at construction and returns {now!r} now. This "
+                    f"handle still uses {value!r}; rebuild to pick up {now!r}."
+                )
+        changed = []
+        for hook, fn in self.hooks.items():
+            now = getattr(current_cls, hook, None)
+            if fn is None and now is None:
+                continue
+            if fn is None or now is None:
+                changed.append(f"{hook} ({'added' if fn is None else 'removed'})")
+            elif now is not fn and not (redefined_class and _same_code(now, fn)):
+                changed.append(hook)
+        if changed:
+            lines.append(
+                f"! hooks were redefined after this Nitro was built: {', '.join(changed)}. It keeps "
+                f"running the programs it was built with; rebuild the Nitro to pick up the new "
+                f"code. The compile cache is module-level, so a rebuild recompiles only what changed."
+            )
+        if redefined_class and not lines:
+            return []
+        return lines
+
+    def report(self, nitro, verb: str) -> None:
+        if not _enabled:
+            return
+        lines = self.changes(nitro)
+        if not lines:
+            return
+        name = self.cls.__name__
+        head = (
+            f"jaxnitro: {name} has values fixed at construction that have since been redefined "
+            f"(reported by `{verb}`). This handle keeps what it resolved; build a new Nitro "
+            f"(`jn.Nitro(e, data=n.data, ...)`) to pick up the new ones, and see `print(nitro)` "
+            f"for what it holds."
+        )
+        print("\n  ".join([head] + lines), file=sys.stderr)

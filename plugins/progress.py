@@ -1,0 +1,245 @@
+"""The default progress reporters: a tqdm bar for the whole run, or silence.
+
+Registered as the entry point ``progress`` in group ``jaxnitro``. The hook
+:func:`jaxnitro_make_progress_reporter` answers:
+
+* ``"tqdm"``: a :class:`TqdmReporter` (terminal, or a widget in a notebook);
+* ``"silent"`` / ``"none"``: a :class:`SilentReporter`;
+* ``"auto"`` (the default): :class:`TqdmReporter` in a notebook kernel or when
+  stderr is a terminal, unless the environment variable ``CI`` is set; else
+  :class:`SilentReporter`, so CI logs and captured output stay clean;
+* anything else: ``None`` (not ours).
+
+A reporter implements the contract of ``jaxnitro_make_progress_reporter``:
+``begin(total, label)``, ``update(position, label)`` (``position`` in epochs,
+fractional) and ``close(label)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import IO, Any
+
+from jaxnitro.hookspecs import hookimpl
+
+__all__ = [
+    "TqdmReporter",
+    "SilentReporter",
+    "in_notebook",
+    "auto_wants_bar",
+    "jaxnitro_make_progress_reporter",
+]
+
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n:.2f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
+"""tqdm ``bar_format`` of :class:`TqdmReporter`: position with two decimals, the run's ETA."""
+
+
+class SilentReporter:
+    """A progress reporter that shows nothing. Every method is a no-op."""
+
+    __slots__ = ()
+
+    def begin(self, total: int, label: str) -> None:
+        """Do nothing."""
+
+    def update(self, position: float, label: str) -> None:
+        """Do nothing."""
+
+    def close(self, label: str) -> None:
+        """Do nothing."""
+
+    def __repr__(self) -> str:
+        return "SilentReporter()"
+
+
+class TqdmReporter:
+    """One tqdm bar for the whole run, in epochs, labelled with the current stretch.
+
+    **Arguments:**
+
+    - `file`: where the bar is written. ``None`` (the default) means
+        ``sys.stderr`` as it is at :meth:`begin`, drawn with ``tqdm.auto`` (a
+        widget in a Jupyter kernel with ipywidgets, text otherwise). An explicit
+        stream always gets the text bar.
+    - `mininterval`: the fewest seconds between two redraws caused by position
+        alone (default 0.1).
+    - `leave`: keep the finished bar on screen (default ``True``).
+
+    **Contract.**
+
+    - :meth:`begin` ``(total, label)`` opens the bar: ``total`` epochs,
+        ``label`` as its description. An open bar is closed first.
+    - :meth:`update` ``(position, label)`` sets the bar to ``position`` epochs
+        (a float: completed epochs plus the running stretch's fraction) with
+        ``label`` as the description. It is cheap (well under a microsecond of
+        Python per call when it does not redraw) so it may be called once per
+        optimizer step. A position change redraws at most every
+        `mininterval` seconds; a label change redraws at once, so a label put
+        up before a long blocking step (``epoch 1/40: train [compiling
+        gradient]``) is visible while it runs. Labels should therefore name
+        phases, not per-step counters: the position carries those.
+    - :meth:`close` ``(label)`` draws the final state with ``label`` (e.g.
+        ``done: 40/40 epochs``) and closes the bar. The bar is not forced to
+        100%: a run that stops early shows where it stopped.
+
+    ``update`` and ``close`` without an open bar do nothing. The ETA is the
+    run's: remaining epochs over a smoothed rate in epochs per second.
+    """
+
+    def __init__(self, file: IO[str] | None = None, *, mininterval: float = 0.1, leave: bool = True):
+        self.file = file
+        self.mininterval = float(mininterval)
+        self.leave = leave
+        self._bar: Any = None
+        self._pos = 0.0
+        self._label = ""
+        self._shown_label = ""
+        self._next_draw = 0.0
+        self._fresh = True
+
+    def __repr__(self) -> str:
+        where = "stderr" if self.file is None else type(self.file).__name__
+        return f"TqdmReporter(file={where}, mininterval={self.mininterval})"
+
+    def begin(self, total: int, label: str) -> None:
+        """Open a bar of ``total`` epochs labelled ``label`` (closing any open one)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.file is None:
+            try:
+                from tqdm.auto import tqdm as bar_cls
+            except ImportError:  # a broken notebook stack: fall back to text
+                from tqdm.std import tqdm as bar_cls
+            file = sys.stderr
+        else:
+            from tqdm.std import tqdm as bar_cls
+
+            file = self.file
+        total = total if total and total > 0 else None
+        kwargs = dict(
+            total=total,
+            desc=label,
+            file=file,
+            bar_format=BAR_FORMAT,
+            unit="epoch",
+            leave=self.leave,
+            disable=False,
+            # This class throttles; tqdm draws whenever asked.
+            mininterval=0,
+            miniters=0,
+            dynamic_ncols=self.file is None,
+        )
+        try:
+            self._bar = bar_cls(**kwargs)
+        except ImportError:  # tqdm.notebook without ipywidgets
+            from tqdm.std import tqdm as text_cls
+
+            self._bar = text_cls(**kwargs)
+        self._pos = 0.0
+        self._label = self._shown_label = label
+        self._fresh = True
+        self._next_draw = time.monotonic() + self.mininterval
+
+    def update(self, position: float, label: str) -> None:
+        """Move the bar to ``position`` epochs, labelled ``label``; redraw if due."""
+        self._pos = position
+        if label != self._shown_label:
+            self._label = label
+            self._draw()
+            return
+        now = time.monotonic()
+        if now >= self._next_draw:
+            self._next_draw = now + self.mininterval
+            self._draw()
+
+    def close(self, label: str) -> None:
+        """Show the final state labelled ``label`` and close the bar."""
+        bar = self._bar
+        if bar is None:
+            return
+        self._bar = None
+        bar.set_description_str(label, refresh=False)
+        bar.n = self._pos
+        bar.close()
+
+    def _draw(self) -> None:
+        bar = self._bar
+        if bar is None:
+            return
+        if self._label != self._shown_label:
+            bar.set_description_str(self._label, refresh=False)
+            self._shown_label = self._label
+        pos = float(self._pos)
+        if self._fresh:
+            # The first position counts as the starting point (a resumed run
+            # begins mid-way), so the rate and ETA see only this process's work.
+            self._fresh = False
+            bar.initial = bar.n = bar.last_print_n = pos
+            bar.refresh()
+            bar.last_print_t = bar._time()
+        else:
+            bar.update(pos - bar.n)  # draws (tqdm's own throttle is off) and feeds its smoothed rate
+
+
+def in_notebook() -> bool:
+    """Whether this process is an IPython/Jupyter kernel (a notebook, VS Code, Colab).
+
+    Only looks at an already-imported IPython; never imports it.
+    """
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:  # noqa: BLE001
+        return False
+    if shell is None:
+        return False
+    try:
+        if "IPKernelApp" in shell.config:
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    return any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def auto_wants_bar() -> bool:
+    """The ``"auto"`` rule: a bar in a notebook kernel or on a terminal stderr, never under ``CI``.
+
+    ``CI`` counts as set unless it is empty, ``0``, ``false`` or ``no``.
+    """
+    if _ci():
+        return False
+    if in_notebook():
+        return True
+    try:
+        return bool(sys.stderr is not None and sys.stderr.isatty())
+    except Exception:  # noqa: BLE001 - a closed or odd stream
+        return False
+
+
+@hookimpl
+def jaxnitro_make_progress_reporter(name):
+    """Return the built-in reporter for ``name``, or ``None`` if ``name`` is not ours.
+
+    ``"tqdm"`` -> :class:`TqdmReporter`; ``"silent"``/``"none"`` ->
+    :class:`SilentReporter`; ``"auto"`` -> :class:`TqdmReporter` if
+    :func:`auto_wants_bar` else :class:`SilentReporter`. Case-insensitive.
+    """
+    if not isinstance(name, str):
+        return None
+    key = name.lower()
+    if key == "tqdm":
+        return TqdmReporter()
+    if key in ("silent", "none"):
+        return SilentReporter()
+    if key == "auto":
+        return TqdmReporter() if auto_wants_bar() else SilentReporter()
+    return None
