@@ -12,9 +12,12 @@ indexing from NumPy arrays (MNIST-sized), each copied to the device with
   NoPrefetch   the opt-out wrapper
 
 With ``--step`` the consumer also runs a jitted 784-128-10 MLP SGD step on
-each batch (the tutorial's model), which is the loop the framework runs.
+each batch (the tutorial's model), which is the loop the framework runs. With
+``--io-us N`` every batch_at also waits N microseconds with the GIL released
+(``time.sleep``), standing in for a file read or a decode in native code: the
+case producer threads are for.
 
-    python bench/prefetch_overhead.py [--step] [--repeats 5] [--batches 2000]
+    python bench/prefetch_overhead.py [--step] [--io-us 0] [--repeats 5] [--batches 2000]
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ except ImportError:  # the package is not installed: load the module from the tr
 class ArraySource:
     """Index-addressable source over in-memory arrays, shuffled per epoch."""
 
-    def __init__(self, n_batches: int, batch: int = 100, rows: int = 60_000, seed: int = 0):
+    def __init__(self, n_batches: int, batch: int = 100, rows: int = 60_000, seed: int = 0, io_us: float = 0):
         rng = np.random.default_rng(seed)
         self.img = rng.random((rows, 784), dtype=np.float32)
         self.label = np.eye(10, dtype=np.float32)[rng.integers(0, 10, rows)]
         self.n, self.batch, self.rows, self.seed = n_batches, batch, rows, seed
         self.order = None
+        self.io_s = io_us * 1e-6
 
     def __len__(self) -> int:
         return self.n
@@ -59,6 +63,8 @@ class ArraySource:
         self.order = rng.integers(0, self.rows, self.n * self.batch)
 
     def batch_at(self, i: int) -> dict:
+        if self.io_s:
+            time.sleep(self.io_s)
         idx = self.order[i * self.batch : (i + 1) * self.batch]
         return {"img": self.img[idx], "label": self.label[idx]}
 
@@ -116,9 +122,10 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--step", action="store_true", help="run a jitted MLP step per batch")
+    ap.add_argument("--io-us", type=float, default=0, help="GIL-free wait per batch_at, in microseconds")
     args = ap.parse_args()
 
-    src = ArraySource(args.batches)
+    src = ArraySource(args.batches, io_us=args.io_us)
     step = make_step() if args.step else None
     kinds = ["plain", "workers=0", "workers=1", "workers=2", "NoPrefetch"]
     for k in kinds:  # warm up: compile, allocate
@@ -129,7 +136,8 @@ def main() -> None:
             rates[k].append(run(k, src, r, step))
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.batches} batches of (100, 784)+(100, 10) "
-        f"float32, {'with' if step else 'without'} an MLP step, median of {args.repeats}"
+        f"float32, {'with' if step else 'without'} an MLP step, batch_at I/O wait {args.io_us:g} us, "
+        f"median of {args.repeats}"
     )
     base = statistics.median(rates["plain"])
     for k in kinds:

@@ -106,5 +106,6 @@ class MetricAccumulator:
                 value = np.concatenate([np.atleast_1d(v) for v in total], axis=0)
             else:
                 value = total
-            out[name] = value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
+            value = np.asarray(value)
+            out[name] = value.item() if value.ndim == 0 else value
         return out

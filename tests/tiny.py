@@ -1,0 +1,87 @@
+"""A tiny experiment shared by the tests: 4-class logistic/MLP model on synthetic data.
+
+Small enough that a compile takes well under a second on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxnitro as jn
+from jaxnitro import Device, GraphConst
+
+N_FEATURES = 8
+N_CLASSES = 4
+
+
+def make_arrays(n: int = 96, seed: int = 0):
+    """Linearly separable-ish data: x (n, 8) float32, y int32 (n,), onehot (n, 4)."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(N_CLASSES, N_FEATURES)) * 3
+    y = rng.integers(0, N_CLASSES, size=n).astype(np.int32)
+    x = (centers[y] + rng.normal(size=(n, N_FEATURES))).astype(np.float32)
+    onehot = np.eye(N_CLASSES, dtype=np.float32)[y]
+    return x, y, onehot
+
+
+def batches(x, y, onehot, batch: int, drop_last: bool = True) -> list[dict]:
+    """A list of batch dicts (a list is an index-addressable source)."""
+    n = len(x)
+    stop = n - n % batch if drop_last else n
+    return [
+        {"x": x[i : i + batch], "label": onehot[i : i + batch], "y": y[i : i + batch]}
+        for i in range(0, stop, batch)
+    ]
+
+
+def tiny_data(n_train: int = 96, n_val: int = 40, batch: int = 16) -> dict:
+    """train: 6 full batches of 16; val: 40 rows = 2 full batches + a partial batch of 8."""
+    x, y, oh = make_arrays(n_train + n_val)
+    return {
+        "train": batches(x[:n_train], y[:n_train], oh[:n_train], batch),
+        "val": batches(x[n_train:], y[n_train:], oh[n_train:], batch, drop_last=False),
+    }
+
+
+class Net(eqx.Module):
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+
+    def __init__(self, width, key):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(N_FEATURES, width, key=k1)
+        self.l2 = eqx.nn.Linear(width, N_CLASSES, key=k2)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+@jn.experiment
+class Tiny:
+    width: GraphConst[int] = 16
+    "Hidden width (structural)."
+    smoothing: Device[float] = 0.0
+    "Label smoothing (a traced input)."
+    temperature: Device[float] = 1.0
+    "Logit temperature."
+    max_epochs: int = 2
+    "Epoch budget."
+
+    def build_data(self, dist):
+        return tiny_data()
+
+    def build_model(self, key):
+        return Net(self.width, key)
+
+    def forward(self, model, state, *, x):
+        return jax.vmap(model)(x) / self.temperature, state
+
+    def loss(self, logits, *, label):
+        target = (1 - self.smoothing) * label + self.smoothing / N_CLASSES
+        return -jnp.mean(jnp.sum(target * jax.nn.log_softmax(logits), -1))
+
+    def learning_rate(self):
+        return 1e-2
