@@ -157,12 +157,12 @@ class Nitro:
         model_key, self.run_key = jax.random.split(self.key)
         weights = kwargs.get("weights")
         built = self.hooks["build_model"].function(e, model_key)
-        model, state = built if isinstance(built, tuple) else (built, None)
-        if state is not None and not isinstance(state, eqx.nn.State):
-            raise TypeError(
-                f"jaxnitro: `build_model` returned (model, {type(state).__name__}); the second "
-                f"element must be an `eqx.nn.State` (from `eqx.nn.make_with_state`)."
-            )
+        # (model, eqx.nn.State) from eqx.nn.make_with_state; anything else is the model itself
+        # (a tuple of modules is a valid model).
+        if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], eqx.nn.State):
+            model, state = built
+        else:
+            model, state = built, None
         self.params, self.skeleton = split_model(model)
         self.model_state = state
         self.weights_from = "build_model (seed %d)" % self.seed
