@@ -256,6 +256,8 @@ class Nitro:
             graph_values={n: getattr(e, n) for n, i in infos.items() if i.is_graph_const},
             host_fields=tuple(n for n, i in infos.items() if i.is_host),
             skeleton=self.skeleton,
+            param_def=jax.tree_util.tree_structure(self.params),
+            state_def=jax.tree_util.tree_structure(self.model_state),
             device_metrics=self.metrics_on_device,
         )
 

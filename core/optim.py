@@ -90,8 +90,11 @@ class OptimizerSpec:
                 learning_rate=np.asarray(g.ratio, np.float32),
                 weight_decay=np.asarray(g.weight_decay, np.float32),
             )
-        labels = self.labels  # an eqx.Module is callable: hand optax a function, not the tree
-        tx = optax.multi_transform(per_group, lambda _params: labels)
+        if len(per_group) == 1:  # one group: no masking machinery in the program or the state
+            (tx,) = per_group.values()
+        else:
+            labels = self.labels  # an eqx.Module is callable: hand optax a function, not the tree
+            tx = optax.multi_transform(per_group, lambda _params: labels)
         if self.clip_norm and self.clip_norm > 0:
             tx = optax.chain(optax.clip_by_global_norm(self.clip_norm), tx)
         return tx
@@ -114,20 +117,32 @@ def _decoupled(rule: Callable) -> Callable:
 
 
 def set_hypers(opt_state, spec: OptimizerSpec, vector):
-    """Write the per-step hyperparameter ``vector`` into ``opt_state`` (inside a traced program)."""
+    """Write the per-step hyperparameter ``vector`` into ``opt_state`` (inside a traced program).
+
+    ``opt_state`` is the state of :meth:`OptimizerSpec.transformation`: optionally
+    ``(clip state, inner)``, where ``inner`` is one group's injected state or a
+    ``multi_transform`` state holding one per group.
+    """
     clipped = spec.clip_norm and spec.clip_norm > 0
-    mt = opt_state[1] if clipped else opt_state
-    inner = dict(mt.inner_states)
-    for i, (group, hyper) in enumerate(spec.layout.slots):
-        masked = inner[group]
-        st = masked.inner_state
+    inner = opt_state[1] if clipped else opt_state
+
+    def with_values(st, group):
         hp = dict(st.hyperparams)
-        hp[hyper] = vector[i]
-        inner[group] = masked._replace(inner_state=st._replace(hyperparams=hp))
-    mt = mt._replace(inner_states=inner)
+        for i, (g, hyper) in enumerate(spec.layout.slots):
+            if g == group:
+                hp[hyper] = vector[i]
+        return st._replace(hyperparams=hp)
+
+    if len(spec.groups) == 1:
+        inner = with_values(inner, spec.groups[0].name)
+    else:
+        states = dict(inner.inner_states)
+        for group, masked in states.items():
+            states[group] = masked._replace(inner_state=with_values(masked.inner_state, group))
+        inner = inner._replace(inner_states=states)
     if clipped:
-        return (opt_state[0], mt) + tuple(opt_state[2:])
-    return mt
+        return (opt_state[0], inner) + tuple(opt_state[2:])
+    return inner
 
 
 def build_optimizer_spec(e, hooks, params, clip_norm: float) -> OptimizerSpec:

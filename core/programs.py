@@ -97,6 +97,8 @@ class ProgramSet:
         graph_values: dict,
         host_fields: tuple[str, ...],
         skeleton: ModelSkeleton,
+        param_def,
+        state_def,
         device_metrics: bool,
     ):
         self.cls = cls
@@ -105,6 +107,8 @@ class ProgramSet:
         self.graph_values = dict(graph_values)
         self.host_values = {n: StrippedHost(n, cls.__name__) for n in host_fields}
         self.skeleton = skeleton
+        self.param_def = param_def
+        self.state_def = state_def
         self.has_train_metrics = "train_metrics" in hooks
         self.device_metrics = device_metrics
         self._base_key = (
@@ -172,53 +176,73 @@ class ProgramSet:
     # -- programs ---------------------------------------------------------------
 
     def train_key(self) -> tuple:
-        return self._base_key + self._hook_key("forward", "loss", "train_metrics")
+        return self._base_key + self._hook_key("forward", "loss", "train_metrics") + (
+            stable_key(self.param_def),
+            stable_key(self.state_def),
+        )
+
+    # The training programs take and return FLAT LEAF LISTS of the parameters, model state
+    # and optimizer state: a list of arrays goes through jit's C++ argument path, while an
+    # Equinox module or an optax state is flattened in Python on every call.
 
     def accumulate(self) -> Program:
-        """``(params, state, dev, batch, acc) -> (acc, state)``; ``acc = (grad sum, aux sum)``.
+        """``(param_leaves, state_leaves, dev, batch, acc) -> (acc, state_leaves)``.
 
-        ``acc`` is None for the first micro-batch of a step.
+        ``acc = (grad leaves, aux sum)`` is None for the first micro-batch of a step.
         """
+        p_def, s_def = self.param_def, self.state_def
 
         def build(meta):
-            def accumulate(params, state, dev, batch, acc):
+            def accumulate(p_leaves, s_leaves, dev, batch, acc):
+                params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+                state = jax.tree_util.tree_unflatten(s_def, s_leaves)
                 grads, new_state, aux = self._grads(params, state, dev, batch, meta)
-                if acc is None:
-                    return (grads, aux), new_state
-                acc_grads, acc_aux = acc
-                acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
-                return (acc_grads, acc_aux + aux), new_state
+                g_leaves = jax.tree_util.tree_leaves(grads)
+                if acc is not None:
+                    g_leaves = [a + g for a, g in zip(acc[0], g_leaves)]
+                    aux = acc[1] + aux
+                return (g_leaves, aux), jax.tree_util.tree_leaves(new_state)
 
             return accumulate
 
         return get_program("accumulate", self.train_key(), build, donate_argnums=(1, 4))
 
-    def train_step(self, opt: OptimizerSpec, tx) -> Program:
-        """``(params, state, opt_state, dev, batch, acc, scale, hypers)`` ->
-        ``(params, state, opt_state, aux)``.
+    def train_step(self, opt: OptimizerSpec, tx, opt_def) -> Program:
+        """``(param_leaves, state_leaves, opt_leaves, dev, batch, acc, scale, hypers)`` ->
+        ``(param_leaves, state_leaves, opt_leaves, aux)``.
 
         ``acc`` is None for ``accum == 1``; ``scale`` is ``1/accum`` (an input,
         so every ``accum`` shares the program); ``hypers`` is the per-step
-        hyperparameter vector laid out by ``opt.layout``.
+        hyperparameter vector laid out by ``opt.layout``; ``aux`` is the step's
+        ``[loss, *train_metrics]`` averaged over its micro-batches.
         """
+        p_def, s_def = self.param_def, self.state_def
 
         def build(meta):
-            def train_step(params, state, opt_state, dev, batch, acc, scale, hypers):
+            def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
+                params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+                state = jax.tree_util.tree_unflatten(s_def, s_leaves)
+                opt_state = jax.tree_util.tree_unflatten(opt_def, o_leaves)
                 grads, new_state, aux = self._grads(params, state, dev, batch, meta)
                 if acc is not None:
-                    acc_grads, acc_aux = acc
-                    grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
-                    aux = acc_aux + aux
+                    grads = jax.tree_util.tree_unflatten(
+                        p_def, [a + g for a, g in zip(acc[0], jax.tree_util.tree_leaves(grads))]
+                    )
+                    aux = acc[1] + aux
                 grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
                 opt_state = set_hypers(opt_state, opt, hypers)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = eqx.apply_updates(params, updates)
-                return params, new_state, opt_state, aux * scale
+                leaves = jax.tree_util.tree_leaves
+                return leaves(params), leaves(new_state), leaves(opt_state), aux * scale
 
             return train_step
 
         return get_program(
-            "train_step", self.train_key() + (opt.key(),), build, donate_argnums=(0, 1, 2)
+            "train_step",
+            self.train_key() + (opt.key(), stable_key(opt_def)),
+            build,
+            donate_argnums=(0, 1, 2),
         )
 
     def forward(self) -> Program:

@@ -150,10 +150,14 @@ def _loop(nitro, progress: Progress) -> str:
     total = max(nitro.max_epochs * steps_per_epoch, 1)
     scheds = _Schedules(nitro, total)
     progs = nitro.programs
+    leaves, unflatten = jax.tree_util.tree_leaves, jax.tree_util.tree_unflatten
+    p_def = progs.param_def
+    s_def = progs.state_def
+    o_def = jax.tree_util.tree_structure(nitro.opt_state)
     accumulate = progs.accumulate().jitted if accum > 1 else None
-    step_prog = progs.train_step(nitro.opt_spec, nitro.tx)
+    step_prog = progs.train_step(nitro.opt_spec, nitro.tx, o_def)
     step_fn = step_prog.jitted
-    scale = np.float32(1.0 / accum)
+    scale = jax.device_put(np.float32(1.0 / accum))
     transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
     dev = nitro.device_values
     early = nitro.early_stop
@@ -161,6 +165,9 @@ def _loop(nitro, progress: Progress) -> str:
         early.reset()
     log_every = nitro.log_every_n_steps
     logged_sched = scheds.logged if nitro.autolog_schedules else {}
+
+    def publish(p, s, o):
+        nitro.params, nitro.model_state, nitro.opt_state = unflatten(p_def, p), unflatten(s_def, s), unflatten(o_def, o)
 
     for epoch in range(nitro.epoch + 1, nitro.max_epochs + 1):
         nitro.epoch = epoch
@@ -170,7 +177,7 @@ def _loop(nitro, progress: Progress) -> str:
         losses: list[float] = []
         wait = 0.0
         t_epoch = time.perf_counter()
-        params, mstate, opt_state = nitro.params, nitro.model_state, nitro.opt_state
+        params, mstate, opt_state = leaves(nitro.params), leaves(nitro.model_state), leaves(nitro.opt_state)
         acc = None
         micro = 0
         step = epoch_start = nitro.step
@@ -192,7 +199,6 @@ def _loop(nitro, progress: Progress) -> str:
                     step += 1
                     pending.append(aux)
                     if len(pending) >= READ_EVERY:
-                        nitro.params, nitro.model_state, nitro.opt_state = params, mstate, opt_state
                         diverged = _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched)
                         pending = []
                         progress.advance((step - epoch_start) / steps_per_epoch)
@@ -201,7 +207,7 @@ def _loop(nitro, progress: Progress) -> str:
                 t0 = time.perf_counter()
         finally:
             stream.close()
-        nitro.params, nitro.model_state, nitro.opt_state = params, mstate, opt_state
+            publish(params, mstate, opt_state)
         nitro.step = step
         if not diverged and pending:
             diverged = _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched)
