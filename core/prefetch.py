@@ -16,6 +16,9 @@ runs a two-stage pipeline:
    * Any other source is iterated (``iter(source)``) by one producer thread,
      because an iterator cannot be shared.
    * ``workers=0`` produces in the consumer's own thread: no threads at all.
+     ``workers=None`` (the default) reads a source's ``prefetch_workers``
+     attribute when it has one, so a source whose batches are cheap to make
+     (gathered from arrays in memory) can say ``prefetch_workers = 0``.
 
 2. **Staging.** ``transfer(batch)`` (typically a host-to-device copy of the
    fields the hooks use) is applied in the consumer's thread, ``device_batches``
@@ -168,13 +171,19 @@ class _Failure:
 _END = object()  # the iterate producer ran out of batches
 
 
-def _raise_failure(f: _Failure, epoch: int, what: str) -> None:
+def _failure_error(f: _Failure, epoch: int, what: str) -> PrefetchError:
     exc = f.exc
-    raise PrefetchError(
+    err = PrefetchError(
         f"{what} raised {type(exc).__name__} for batch {f.index} of epoch {epoch}: {exc}",
         index=f.index,
         epoch=epoch,
-    ) from exc
+    )
+    err.__cause__ = exc  # as `raise err from exc`, when raised later
+    return err
+
+
+def _raise_failure(f: _Failure, epoch: int, what: str) -> None:
+    raise _failure_error(f, epoch, what)
 
 
 class _Producers:
@@ -382,15 +391,29 @@ def _staged(
         return
     ahead: collections.deque = collections.deque()
     push, pop = ahead.append, ahead.popleft
-    for i, batch in items:
+    nxt = iter(items).__next__
+    error: PrefetchError | None = None
+    while True:
+        try:
+            i, batch = nxt()
+        except StopIteration:
+            break
+        except PrefetchError as exc:  # the source failed: deliver what is staged first
+            error = exc
+            break
         try:
             push(transfer(batch))
         except Exception as exc:  # noqa: BLE001
-            _raise_failure(_Failure(i, exc), epoch, "transfer")
+            error = _failure_error(_Failure(i, exc), epoch, "transfer")
+            break
         if len(ahead) > depth:
             yield pop()
+    # batches already staged were produced and transferred without error: deliver
+    # them, so that a failure surfaces at the same batch whatever device_batches is
     while ahead:
         yield pop()
+    if error is not None:
+        raise error
 
 
 # --------------------------------------------------------------------------
@@ -552,7 +575,9 @@ class PrefetchIterator(_Wrapper):
                 f"a data source must have len() (the number of batches per epoch); "
                 f"{_describe(source)} has none. Define __len__ on it, or pass a list of batches."
             ) from None
-        if not isinstance(source, Iterable) and not is_addressable(source):
+        if not is_addressable(source) and not (
+            hasattr(type(source), "__iter__") or hasattr(type(source), "__getitem__")
+        ):  # never call iter() here: it may start a loader's worker processes
             raise TypeError(
                 f"a data source must be iterable or define batch_at(i) and begin_epoch(epoch); "
                 f"{_describe(source)} is neither"

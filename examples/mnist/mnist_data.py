@@ -297,6 +297,11 @@ class BatchSource:
             or ``batch_size < 1``.
     """
 
+    prefetch_workers = 0
+    """Gathering a batch from in-memory arrays takes microseconds: producer threads would only
+    contend for the GIL, so jaxnitro's prefetcher produces in the training thread (the step's
+    asynchronous dispatch already overlaps it) and still stages the next batch on the device."""
+
     def __init__(
         self,
         fields: dict[str, np.ndarray],
