@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from . import knobs as _knobs
-from .batches import batch_width, check_train_split, pad_batch, peek, slice_outputs, wrap_split
+from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
 from .experiment import fields_of, is_experiment, summarize_value, to_device_value
 from .history import MetricHistory
@@ -121,7 +121,8 @@ class Nitro:
             )
         self.data = {str(s): wrap_split(src, str(s)) for s, src in data.items()}
         if "derive" in self.hooks and data:
-            derived = self.hooks["derive"].function(e, data) or {}
+            # derive sees the user's sources, also when `data=` came from another handle
+            derived = self.hooks["derive"].function(e, {s: unwrap(src) for s, src in self.data.items()}) or {}
             unknown = [n for n in derived if n not in fields_of(e)]
             if unknown:
                 raise KeyError(

@@ -33,6 +33,8 @@ log = structlog.get_logger("jaxnitro")
 
 READ_EVERY = 32
 """Optimizer steps between host reads of the per-step scalars (a divergence is seen within this)."""
+LAG = 2
+"""Newest steps left unread at each read, so the host never waits for the device mid-epoch."""
 
 
 def new_run_folder(root: str) -> str:
@@ -198,9 +200,11 @@ def _loop(nitro, progress: Progress) -> str:
                     acc, micro = None, 0
                     step += 1
                     pending.append(aux)
-                    if len(pending) >= READ_EVERY:
-                        diverged = _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched)
-                        pending = []
+                    if len(pending) >= READ_EVERY + LAG:
+                        # read all but the newest LAG steps: those are still computing, and
+                        # waiting for them would leave the device idle while the host logs
+                        ready, pending = pending[:-LAG], pending[-LAG:]
+                        diverged = _drain(nitro, ready, step - LAG, epoch, losses, step_prog, log_every, logged_sched)
                         progress.advance((step - epoch_start) / steps_per_epoch)
                         if diverged:
                             break
