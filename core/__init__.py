@@ -5,7 +5,7 @@ The public API. See ``docs/`` and ``examples/mnist/mnist_tutorial.py``.
 
 from __future__ import annotations
 
-from .cache import CacheStats, cache_stats, clear_cache
+from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enable_persistent_cache
 from .experiment import compile_view, experiment, field
 from .handle import Nitro, train
 from .history import MetricHistory
@@ -18,6 +18,8 @@ from .staleness import set_config_report
 from .stopping import EarlyStopping
 
 __version__ = "0.1.0"
+
+_enable_from_env()  # JAXNITRO_COMPILATION_CACHE=<folder>: opt in to JAX's persistent compilation cache
 
 __all__ = [
     "CacheStats",
@@ -34,6 +36,7 @@ __all__ = [
     "check_batch_at",
     "clear_cache",
     "compile_view",
+    "enable_persistent_cache",
     "experiment",
     "field",
     "hookimpl",

@@ -10,18 +10,33 @@ state.
 ``cache_stats()`` is the witness: ``misses`` counts traces (each trace is
 one XLA compilation), ``hits`` counts program requests served by an existing
 compiled program, ``entries`` the compiled programs held.
+
+Across processes, :func:`enable_persistent_cache` (or the
+``JAXNITRO_COMPILATION_CACHE`` environment variable) opts in to JAX's
+on-disk compilation cache: a later process still traces, but loads the
+compiled executables instead of compiling them.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Callable, NamedTuple
 
 import jax
 import structlog
 
-__all__ = ["CacheStats", "cache_stats", "get_program", "clear_cache", "Program", "stable_key"]
+__all__ = [
+    "CacheStats",
+    "cache_stats",
+    "get_program",
+    "clear_cache",
+    "Program",
+    "stable_key",
+    "enable_persistent_cache",
+    "CACHE_ENV",
+]
 
 log = structlog.get_logger("jaxnitro")
 
@@ -119,3 +134,46 @@ def clear_cache() -> None:
         _programs.clear()
         _hits = 0
         _misses = 0
+
+
+# -- JAX's persistent (on-disk) compilation cache ----------------------------------
+
+CACHE_ENV = "JAXNITRO_COMPILATION_CACHE"
+"""Environment variable: a folder; when set, ``import jaxnitro`` enables the persistent cache there."""
+
+
+def enable_persistent_cache(path: str | os.PathLike | None = None) -> str:
+    """Opt in to JAX's persistent compilation cache, so a later process skips XLA compilation.
+
+    ``path`` is the cache folder (created if missing); without it, the
+    ``JAXNITRO_COMPILATION_CACHE`` environment variable, else
+    ``~/.cache/jaxnitro/xla``. Every compiled program is written there,
+    however small or quick to compile (JAX's defaults skip programs that
+    compile in under a second, which is most programs on CPU). Returns the
+    folder's absolute path.
+
+    The in-process cache (:func:`cache_stats`) is unaffected: a new process
+    still traces each program once (a miss), but XLA loads the executable
+    from disk instead of compiling it. Setting ``JAXNITRO_COMPILATION_CACHE``
+    before ``import jaxnitro`` is the same as calling this at import.
+
+    The folder is trusted code: do not share it with users you do not trust.
+    """
+    if path is None:
+        path = os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "jaxnitro", "xla")
+    folder = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    os.makedirs(folder, exist_ok=True)
+    from jax.experimental.compilation_cache import compilation_cache as _cc
+
+    if jax.config.jax_compilation_cache_dir != folder:
+        _cc.reset_cache()  # a cache JAX already opened keeps its folder until reset
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return folder
+
+
+def _enable_from_env() -> None:
+    if os.environ.get(CACHE_ENV):
+        enable_persistent_cache(os.environ[CACHE_ENV])

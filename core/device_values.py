@@ -6,6 +6,8 @@ dtype, so every program runs unchanged: zero compiles.
 
 from __future__ import annotations
 
+import difflib
+
 import jax
 import numpy as np
 
@@ -29,9 +31,13 @@ def set_device_values(nitro, values: dict) -> None:
     for name, value in values.items():
         info = infos.get(name)
         if info is None:
+            close = difflib.get_close_matches(name, list(infos), n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
             raise KeyError(
-                f"jaxnitro: set_device: {type(nitro.experiment).__name__} has no field `{name}`. "
-                f"Device fields: {sorted(nitro.device_values) or '(none)'}."
+                f"jaxnitro: set_device cannot write `{name}`: it is an unknown name, "
+                f"{type(nitro.experiment).__name__} has no field `{name}`.{hint} Device fields: "
+                f"{sorted(nitro.device_values) or '(none)'}. To add a field, declare it on the "
+                f"experiment class and build a new `Nitro`."
             )
         if info.is_graph_const:
             _refuse(name, "it is a GraphConst field, baked into the compiled graph; a new value is a new program.")

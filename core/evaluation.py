@@ -65,6 +65,8 @@ def make_transfer(nitro, hooks):
 
 
 def _check_width(nitro, n: int, what: str) -> None:
+    if n == 0:
+        raise ValueError(f"jaxnitro: {what} has no rows; pass a batch with at least one row.")
     if nitro.width is None:
         nitro.width = n
     elif n > nitro.width:

@@ -1,0 +1,10 @@
+"""Shared pytest setup: make ``tests/`` importable so tests can ``from tiny import Tiny, tiny_data``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
