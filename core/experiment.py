@@ -189,6 +189,10 @@ def experiment(cls=None, /):
         raise TypeError("jaxnitro: @jn.experiment decorates a class.")
     docs = _attribute_docs(cls)
     infos: dict[str, FieldInfo] = {}
+    # A subclass of an experiment inherits its fields (markers and docs); its own
+    # annotations add fields or override inherited ones, as attrs does.
+    for base in reversed(cls.__mro__[1:]):
+        infos.update(base.__dict__.get("__jaxnitro_fields__", {}))
     for name, ann in _annotations(cls).items():
         if typing.get_origin(ann) is typing.ClassVar or (
             isinstance(ann, str) and ann.startswith(("ClassVar", "typing.ClassVar"))

@@ -67,8 +67,9 @@ def marker_of(annotation) -> tuple[Marker, object]:
 class StrippedHost:
     """What traced code sees in place of a Host field.
 
-    Any use (arithmetic, indexing, attribute access, conversion to an array)
-    raises a ``TypeError`` naming the field and the fix.
+    Any use (arithmetic, comparison with a value, indexing, attribute access,
+    conversion to an array, a ``jax.numpy`` call) raises a ``TypeError`` naming
+    the field and the fix.
     """
 
     __slots__ = ("_field", "_owner")
@@ -99,7 +100,9 @@ class StrippedHost:
 
     __setattr__ = _fail
     __array__ = _fail
-    __jax_array__ = _fail
+    # A property, not a method: JAX probes ``getattr(x, "__jax_array__", None)`` before
+    # calling it and would otherwise raise its own error that names no field.
+    __jax_array__ = property(_fail)
     __getitem__ = _fail
     __setitem__ = _fail
     __len__ = _fail
@@ -125,7 +128,35 @@ class StrippedHost:
     del _op
 
     def __eq__(self, other):
-        return isinstance(other, StrippedHost) and repr(self) == repr(other)
+        # Sentinels compare among themselves; comparing one with a value is a use
+        # (`if self.mode == "fast":` in traced code would otherwise be silently False).
+        if not isinstance(other, StrippedHost):
+            self._fail()
+        return repr(self) == repr(other)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
 
     def __hash__(self):
         return hash(repr(self))
+
+
+def _register_stripped_host() -> None:
+    """Register :class:`StrippedHost` as a pytree with no leaves.
+
+    A jitted ``jax.numpy`` function (``jnp.exp``, ``jnp.log`` ...) handed a
+    sentinel would otherwise try to abstractify it as an argument and replace
+    the sentinel's error with JAX's generic "Error interpreting argument";
+    as an empty pytree it passes through to the function body, whose first use
+    of it raises the sentinel's own message naming the field.
+    """
+    import jax
+
+    jax.tree_util.register_pytree_node(
+        StrippedHost,
+        lambda s: ((), (object.__getattribute__(s, "_field"), object.__getattribute__(s, "_owner"))),
+        lambda aux, _children: StrippedHost(*aux),
+    )
+
+
+_register_stripped_host()

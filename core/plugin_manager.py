@@ -61,17 +61,28 @@ class ExperimentPluginManager(pluggy.PluginManager):
 
         ``def loss(self, logits, *, label)`` implements ``loss(outputs, batch)``:
         the core passes positionals by position and batch fields by keyword.
+        Every implementation is called with the experiment first (see
+        :func:`resolve_hooks`), so the count is taken on the unbound function:
+        a method's ``self``, or the first parameter of a plugin module's function,
+        receives the experiment.
         """
         if hook.name not in EXPERIMENT_HOOKS or hook.spec is None:
             return super()._verify_hook(hook, hookimpl)
         expected = tuple(a for a in hook.spec.argnames if a != "batch")
-        if len(hookimpl.argnames) != len(expected):
+        function = _unbound(hookimpl.function)
+        positional = tuple(
+            p.name
+            for p in inspect.signature(function).parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        )
+        if len(positional) != len(expected) + 1:
             raise TypeError(
                 f"jaxnitro: hook `{hook.name}` of {hookimpl.plugin_name} takes positional "
-                f"parameters {hookimpl.argnames}, but the contract is "
+                f"parameters {positional}, but the contract is "
                 f"`{hook.name}(self{''.join(', ' + a for a in expected)}"
-                f"{', *, <batch fields>' if 'batch' in hook.spec.argnames else ''})`. Batch fields "
-                f"are keyword-only parameters (after `*`)."
+                f"{', *, <batch fields>' if 'batch' in hook.spec.argnames else ''})`: the experiment "
+                f"first (`self`, also for a plugin module's function), then {len(expected)} "
+                f"positional parameter(s). Batch fields are keyword-only parameters (after `*`)."
             )
 
 

@@ -59,7 +59,12 @@ def split_model(model):
 
 def _check_forward_result(res, state, cls_name: str):
     if not (isinstance(res, tuple) and len(res) == 2):
-        what = f"a tuple of {len(res)}" if isinstance(res, tuple) else type(res).__name__
+        if isinstance(res, tuple):
+            what = f"a tuple of {len(res)}"
+        elif hasattr(res, "shape") and hasattr(res, "dtype"):
+            what = f"a single array of shape {tuple(res.shape)}"
+        else:
+            what = type(res).__name__
         raise TypeError(
             f"jaxnitro: `forward` of {cls_name} returned {what}; it must return "
             f"`(outputs, state)`. For a stateless model return `(outputs, state)` with the `state` "
@@ -67,8 +72,13 @@ def _check_forward_result(res, state, cls_name: str):
         )
     outputs, new_state = res
     if new_state is not None and not isinstance(new_state, eqx.nn.State):
+        second = (
+            f"an array of shape {tuple(new_state.shape)}"
+            if hasattr(new_state, "shape") and hasattr(new_state, "dtype")
+            else type(new_state).__name__
+        )
         raise TypeError(
-            f"jaxnitro: `forward` of {cls_name} returned `(outputs, {type(new_state).__name__})`; "
+            f"jaxnitro: `forward` of {cls_name} returned `(outputs, {second})`; "
             f"the second element must be the model state (`eqx.nn.State`, or the `state` argument "
             f"as received, None for a stateless model). To return several outputs, put them in "
             f"the first element: `return (a, b), state`."
