@@ -20,8 +20,8 @@ __all__ = ["evaluate_split", "predict_batch", "make_transfer", "logger_call"]
 LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
 
 
-def logger_call(nitro, verb: str, *args, **kwargs):
-    """Call ``nitro.logger.<verb>``; a logger lacking the verb fails loudly, naming it."""
+def logger_verb(nitro, verb: str):
+    """``nitro.logger.<verb>`` (None without a logger); a logger lacking the verb fails loudly."""
     logger = nitro.logger
     if logger is None:
         return None
@@ -32,7 +32,13 @@ def logger_call(nitro, verb: str, *args, **kwargs):
             f"object with the verbs the framework calls: {', '.join(LOGGER_VERBS)}. Add `{verb}` "
             f"(or pass logger=None to disable logging)."
         )
-    return fn(*args, **kwargs)
+    return fn
+
+
+def logger_call(nitro, verb: str, *args, **kwargs):
+    """Call ``nitro.logger.<verb>(*args, **kwargs)`` if there is a logger; see :func:`logger_verb`."""
+    fn = logger_verb(nitro, verb)
+    return None if fn is None else fn(*args, **kwargs)
 
 
 def _device_fields(nitro, hooks) -> tuple[str, ...]:

@@ -12,6 +12,14 @@ the batch's ``img`` and nothing else. The ``batch`` parameter of a spec below
 stands for those keyword-only fields; pluggy ignores keyword-only parameters
 when it validates an implementation.
 
+Positional parameters are passed by position, so an implementation may name
+them freely (``def loss(self, logits, *, label)``); their count must match
+the spec. Every implementation, also one from a plugin, is called with the
+experiment as its first argument (``self``): the real experiment in host-side
+hooks, its compile view (Device values traced, Host fields stripped) in
+traced hooks (``forward``, ``loss``, ``train_metrics``, device-resident
+``metrics``).
+
 **Extension hooks** are global. They are implemented by modules registered as
 entry points in group ``jaxnitro`` (``[project.entry-points.jaxnitro]``), the
 built-in logger and progress reporter included, exactly as a third-party

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import structlog
 
-from .evaluation import evaluate_split, logger_call, make_transfer
+from .evaluation import evaluate_split, logger_call, logger_verb, make_transfer
 from .plugin_manager import first_result
 from .progress import Progress
 from .schedules import materialize
@@ -257,21 +257,27 @@ def _loop(nitro, progress: Progress) -> str:
 
 
 def _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched) -> bool:
-    """Fetch pending per-step scalars, log train lines, and report divergence (True)."""
-    values = jax.device_get(pending)
+    """Fetch pending per-step scalars, log train lines, and report divergence (True).
+
+    ``pending`` holds the device vectors ``[loss, *train_metrics]`` of the steps
+    ending at ``step``. ``np.asarray`` per array is ~10x cheaper than one
+    ``jax.device_get`` of the list.
+    """
+    rows = np.stack([np.asarray(a) for a in pending]).tolist()
     names = step_prog.meta.get("aux_names", ("loss",))
-    first_step = step - len(values) + 1
-    has_logger = nitro.logger is not None
-    for i, v in enumerate(values):
+    first_step = step - len(rows) + 1
+    log = logger_verb(nitro, "log_metrics")
+    check = nitro.check_divergence
+    for i, row in enumerate(rows):
         s = first_step + i
-        loss = float(v[0])
-        if nitro.check_divergence and not math.isfinite(loss):
+        loss = row[0]
+        if check and not math.isfinite(loss):
             nitro.diverged_step = s
             return True
         losses.append(loss)
-        if has_logger and s % log_every == 0:
-            line = {n: float(x) for n, x in zip(names, v.tolist())}
+        if log is not None and s % log_every == 0:
+            line = dict(zip(names, row))
             for key, table in logged_sched.items():
                 line[key] = float(table[min(s - 1, len(table) - 1)])
-            logger_call(nitro, "log_metrics", line, step=s, epoch=epoch, context="train")
+            log(line, step=s, epoch=epoch, context="train")
     return False
