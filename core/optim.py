@@ -5,6 +5,11 @@ Every group gets ``optax.inject_hyperparams(rule)`` with two hyperparameters,
 AdamW). Their values enter the optimizer program each step as one small
 float32 vector (:class:`HyperLayout` says which slot is which), so a constant,
 a schedule and a changed schedule all run the same compiled program.
+
+Gradient clipping (``optax.clip_by_global_norm`` over the accumulated
+gradient) is built inside the program with its threshold read from the last
+slot of that vector: whether clipping is on is part of the program's key, the
+threshold is not, so a new threshold compiles nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +70,15 @@ class HyperLayout:
     def index(self, group: str, hyper: str) -> int:
         return self.slots.index((group, hyper))
 
+    @property
+    def clip_index(self) -> int:
+        """The last slot holds the gradient-clipping threshold."""
+        return len(self.slots)
+
+    @property
+    def size(self) -> int:
+        return len(self.slots) + 1
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -79,11 +93,16 @@ class OptimizerSpec:
         return (
             tuple((g.name, stable_key(g.rule), g.weight_decay != 0.0) for g in self.groups),
             tuple(jax.tree_util.tree_leaves(self.labels)),
-            float(self.clip_norm),
+            self.clips,
         )
 
+    @property
+    def clips(self) -> bool:
+        """Whether the program clips the gradient (its threshold is an input, not part of the key)."""
+        return bool(self.clip_norm and self.clip_norm > 0)
+
     def transformation(self, decay_scheduled: bool = False) -> optax.GradientTransformation:
-        """The optax transformation: clipping (if on), then one injected rule per group."""
+        """The optax transformation: one injected rule per group (clipping is applied before it)."""
         per_group = {}
         for g in self.groups:
             per_group[g.name] = optax.inject_hyperparams(_decoupled(g.rule))(
@@ -95,13 +114,21 @@ class OptimizerSpec:
         else:
             labels = self.labels  # an eqx.Module is callable: hand optax a function, not the tree
             tx = optax.multi_transform(per_group, lambda _params: labels)
-        if self.clip_norm and self.clip_norm > 0:
-            tx = optax.chain(optax.clip_by_global_norm(self.clip_norm), tx)
         return tx
 
+    def clip(self, grads, vector):
+        """Clip ``grads`` by global norm at the threshold in ``vector`` (traced), if clipping is on."""
+        if not self.clips:
+            return grads
+        clipped, _ = optax.clip_by_global_norm(vector[self.layout.clip_index]).update(
+            grads, optax.EmptyState()
+        )
+        return clipped
+
     def base_vector(self, base_lr: float) -> np.ndarray:
-        """The hyperparameter vector with no schedule: ``ratio * base_lr`` and each group's decay."""
-        out = np.zeros(len(self.layout.slots), np.float32)
+        """The hyperparameter vector with no schedule: ``ratio * base_lr``, each group's decay, the clip."""
+        out = np.zeros(self.layout.size, np.float32)
+        out[self.layout.clip_index] = self.clip_norm
         for i, (group, hyper) in enumerate(self.layout.slots):
             g = next(x for x in self.groups if x.name == group)
             out[i] = g.ratio * base_lr if hyper == "learning_rate" else g.weight_decay
@@ -119,12 +146,10 @@ def _decoupled(rule: Callable) -> Callable:
 def set_hypers(opt_state, spec: OptimizerSpec, vector):
     """Write the per-step hyperparameter ``vector`` into ``opt_state`` (inside a traced program).
 
-    ``opt_state`` is the state of :meth:`OptimizerSpec.transformation`: optionally
-    ``(clip state, inner)``, where ``inner`` is one group's injected state or a
-    ``multi_transform`` state holding one per group.
+    ``opt_state`` is the state of :meth:`OptimizerSpec.transformation`: one
+    group's injected state, or a ``multi_transform`` state holding one per group.
     """
-    clipped = spec.clip_norm and spec.clip_norm > 0
-    inner = opt_state[1] if clipped else opt_state
+    inner = opt_state
 
     def with_values(st, group):
         hp = dict(st.hyperparams)
@@ -140,8 +165,6 @@ def set_hypers(opt_state, spec: OptimizerSpec, vector):
         for group, masked in states.items():
             states[group] = masked._replace(inner_state=with_values(masked.inner_state, group))
         inner = inner._replace(inner_states=states)
-    if clipped:
-        return (opt_state[0], inner) + tuple(opt_state[2:])
     return inner
 
 

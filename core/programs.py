@@ -6,7 +6,8 @@ Four kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
   accumulated gradient of the earlier micro-batches, scaled by ``1/accum``,
   clipped and applied by the optimizer. One dispatch per optimizer step.
   Key: the traced hooks, GraphConst values, model structure, routing and the
-  optimizer (rules, groups, ``gradient_clip_norm``).
+  optimizer (rules, groups, whether ``gradient_clip_norm`` clips at all; the
+  threshold itself is an input).
 * ``accumulate`` — forward, loss and gradient of one micro-batch added to the
   running sum; used for the first ``accum - 1`` micro-batches of a step.
   Key: the same minus the optimizer.
@@ -240,6 +241,7 @@ class ProgramSet:
                     )
                     aux = acc[1] + aux
                 grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
+                grads = opt.clip(grads, hypers)
                 opt_state = set_hypers(opt_state, opt, hypers)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = eqx.apply_updates(params, updates)

@@ -3,8 +3,8 @@
 The cache is process-wide, so every assertion compares *deltas* of
 ``misses`` (one miss = one trace = one XLA compilation), never absolute
 values. Tests that need exact miss counts use a fresh experiment class
-(:func:`fresh_tiny`): the class is part of every program key, so such a
-class starts with no programs whatever other tests compiled before.
+(``fresh_tiny`` from ``tiny.py``): the class is part of every program key,
+so such a class starts with no programs whatever other tests compiled before.
 """
 
 from __future__ import annotations
@@ -22,39 +22,15 @@ import optax
 import pytest
 
 import jaxnitro as jn
-from jaxnitro import Device, GraphConst
 from jaxnitro import cache as jcache
 
-from tiny import Tiny, tiny_data
+from tiny import Tiny, TinyCore, fresh_tiny, tiny_data
 
 TESTS_DIR = Path(__file__).resolve().parent
 
 
 def misses() -> int:
     return jn.cache_stats().misses
-
-
-def fresh_tiny():
-    """A new experiment class with Tiny's fields and hooks (and so its own cache keys)."""
-
-    @jn.experiment
-    class FreshTiny:
-        width: GraphConst[int] = 16
-        "Hidden width (structural)."
-        smoothing: Device[float] = 0.0
-        "Label smoothing."
-        temperature: Device[float] = 1.0
-        "Logit temperature."
-        max_epochs: int = 1
-        "Epoch budget."
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
-        learning_rate = Tiny.learning_rate
-
-    return FreshTiny
 
 
 def traces_of(cls) -> dict[str, list[int]]:
@@ -141,7 +117,7 @@ def test_seed_run_dir_max_epochs_and_schedules_compile_nothing(tmp_path):
 
 
 def test_graph_const_change_compiles_new_programs(tmp_path):
-    C = fresh_tiny()
+    C = fresh_tiny(max_epochs=1)
     jn.train(C(), run_dir=tmp_path, logger=None)
     assert traces_of(C) == {"train_step": [1], "forward": [1]}
     m = misses()
@@ -154,7 +130,7 @@ def test_graph_const_change_compiles_new_programs(tmp_path):
 
 
 def test_accum_compiles_the_accumulate_program_only_for_new_signatures(tmp_path):
-    C = fresh_tiny()
+    C = fresh_tiny(max_epochs=1)
     run = dict(data=TRAIN_ONLY, run_dir=tmp_path, logger=None)
     m = misses()
     jn.train(C(), **run)
@@ -185,31 +161,33 @@ def test_accum_compiles_the_accumulate_program_only_for_new_signatures(tmp_path)
 
 
 def test_gradient_clip_norm_compiles_a_new_train_step_and_reuses_accumulate(tmp_path):
-    C = fresh_tiny()
+    C = fresh_tiny(max_epochs=1)
     run = dict(data=TRAIN_ONLY, run_dir=tmp_path, logger=None)
     jn.train(C(), accum=3, **run)
     assert traces_of(C) == {"train_step": [1], "accumulate": [2]}
 
     m = misses()
     clipped = jn.train(C(), accum=3, gradient_clip_norm=1e-3, **run)
-    assert misses() - m == 1  # the new train step (acc=tree); accumulate is shared
+    assert misses() - m == 1  # turning clipping on: a new train step; accumulate is shared
     assert traces_of(C) == {"train_step": [1, 1], "accumulate": [2]}
 
     m = misses()
-    jn.train(C(), accum=3, gradient_clip_norm=2e-3, **run)  # another threshold: another train step
-    assert misses() - m == 1
-    assert traces_of(C) == {"train_step": [1, 1, 1], "accumulate": [2]}
+    other = jn.train(C(), accum=3, gradient_clip_norm=2e-3, **run)  # another threshold: an input
+    assert misses() - m == 0
+    assert traces_of(C) == {"train_step": [1, 1], "accumulate": [2]}
+    assert not same_params(clipped, other)  # the new threshold took effect without compiling
 
     m = misses()
-    jn.train(C(), accum=3, gradient_clip_norm=1e-3, **run)  # a threshold seen before: nothing
+    again = jn.train(C(), accum=3, gradient_clip_norm=1e-3, **run)
     assert misses() - m == 0
+    assert same_params(clipped, again)
 
     unclipped = jn.train(C(), accum=3, **run)
     assert not same_params(clipped, unclipped)  # the clip took effect
 
 
 def test_validate_evaluate_and_predict_share_one_forward(tmp_path):
-    C = fresh_tiny()
+    C = fresh_tiny(max_epochs=1)
     data = tiny_data()  # val: 2 full batches of 16 and a partial batch of 8
     n = jn.Nitro(C(), data=data, run_dir=tmp_path, logger=None)
     m = misses()
@@ -244,16 +222,7 @@ def test_device_metrics_program_is_shared_by_validate_and_evaluate(tmp_path):
     import jax.numpy as jnp
 
     @jn.experiment
-    class DeviceMetrics:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
-
+    class DeviceMetrics(TinyCore):
         def metrics(self, logits, *, y):
             return {"correct": ((jnp.argmax(logits, -1) == y).sum(), y.shape[0])}
 

@@ -289,3 +289,24 @@ def test_batchnorm_state_trains_and_evaluation_uses_inference_mode(tmp_path):
     train_mode = eqx.nn.inference_mode(model, value=False)
     batch_stat = jax.vmap(train_mode, in_axes=(0, None), out_axes=(0, None), axis_name="batch")(x[:3], n.model_state)[0]
     assert not np.allclose(np.asarray(batch_stat), full[:3], atol=1e-3)
+
+
+def test_gradient_clip_norm_bounds_the_update_by_global_norm(tmp_path):
+    """With SGD at rate 1 the update IS the clipped gradient: its global norm equals the threshold."""
+    import optax
+
+    @jn.experiment
+    class SGD(Tiny):
+        def optimizer(self, group):
+            return optax.sgd
+
+        def learning_rate(self):
+            return 1.0
+
+    data = {"train": tiny_data()["train"][:1]}
+    start = jn.Nitro(SGD(max_epochs=0), data=data, run_dir=tmp_path, logger=None)
+    for clip in (1e-3, 2e-3):
+        n = jn.train(SGD(max_epochs=1), data=data, run_dir=tmp_path, logger=None, gradient_clip_norm=clip)
+        delta = [a - b for a, b in zip(leaves(n.params), leaves(start.params))]
+        norm = float(np.sqrt(sum(np.sum(np.square(d)) for d in delta)))
+        assert norm == pytest.approx(clip, rel=1e-3)
