@@ -291,6 +291,8 @@ class Nitro:
             raise ValueError(
                 "jaxnitro: `weights=` come from a model with a different tree; leaves that differ:\n  "
                 + "\n  ".join(diff)
+                + "\nWarm-start from a handle whose model has the same structure (same GraphConst "
+                "fields such as the width), or build this one without `weights=`."
             )
         self.params = jax.tree_util.tree_map(jnp.copy, other.params)
         if other.model_state is not None:

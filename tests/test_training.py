@@ -310,3 +310,25 @@ def test_gradient_clip_norm_bounds_the_update_by_global_norm(tmp_path):
         delta = [a - b for a, b in zip(leaves(n.params), leaves(start.params))]
         norm = float(np.sqrt(sum(np.sum(np.square(d)) for d in delta)))
         assert norm == pytest.approx(clip, rel=1e-3)
+
+
+def test_warm_start_from_another_handle(tmp_path):
+    n = jn.train(Tiny(max_epochs=1), run_dir=tmp_path, logger=None)
+    warm = jn.Nitro(Tiny(smoothing=0.1), weights=n, run_dir=tmp_path, logger=None)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(warm.params), leaves(n.params)))
+    assert warm.step == 0 and warm.epoch == 0
+    assert "warm start" in repr(warm)
+    warm.train()
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves(warm.params), leaves(n.params)))
+
+    with pytest.raises(ValueError, match=r"(?s)different tree.*\.l1\.weight: this model \(32, 8\), weights \(16, 8\).*same structure"):
+        jn.Nitro(Tiny(width=32), weights=n, run_dir=tmp_path, logger=None)
+
+
+def test_no_train_split_allocates_no_optimizer_state(tmp_path):
+    n = jn.Nitro(Tiny(), data={}, run_dir=tmp_path, logger=None)
+    assert n.opt_state is None and n.opt_spec is None
+    out = n.predict({"x": np.ones((3, N_FEATURES), np.float32)})
+    assert out.shape == (3, N_CLASSES) and isinstance(out, np.ndarray)
+    with pytest.raises(ValueError, match="no `train` split"):
+        n.train()
