@@ -792,6 +792,16 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
         return bool(np.array_equal(a, b))
 
 
+def _require_same(
+    i: int, ref: dict[str, np.ndarray], again: dict[str, np.ndarray], problem: str
+) -> None:
+    """Raise ``batch_at(i) field 'name' <problem>`` for the first field of ``ref`` that
+    ``again`` (batch ``i`` fetched anew) lacks or holds a different array in."""
+    for name, a in ref.items():
+        if name not in again or not _same(a, again[name]):
+            raise ValueError(f"batch_at({i}) field {name!r} {problem}")
+
+
 def check_batch_at(source: Any, epoch: int = 0) -> None:
     """Verify that ``source`` is a correct index-addressable source.
 
@@ -872,23 +882,18 @@ def check_batch_at(source: Any, epoch: int = 0) -> None:
                     f"batch_at({i}) field {name!r}: shape {a.shape}, batch 0 has {ref.shape}"
                     + ("" if final else "; only the final batch may be shorter in its first dimension")
                 )
-        again = fetch(i)
-        for name, a in b.items():
-            if name not in again or not _same(a, again[name]):
-                raise ValueError(
-                    f"batch_at({i}) field {name!r} differs between two calls; batch_at must be "
-                    "deterministic for a given epoch (draw any randomness in begin_epoch, "
-                    "from the epoch number)"
-                )
+        _require_same(
+            i, b, fetch(i),
+            "differs between two calls; batch_at must be deterministic for a given epoch (draw "
+            "any randomness in begin_epoch, from the epoch number)",
+        )
         last = b
     begin(epoch)
     for i, ref in ((0, first), (n - 1, last)):
-        b = fetch(i)
-        for name, a in ref.items():
-            if name not in b or not _same(a, b[name]):
-                raise ValueError(
-                    f"batch_at({i}) field {name!r} changed after begin_epoch({epoch}) was called "
-                    "again; the epoch's plan must be a function of the epoch (and the source's "
-                    "seed), so that a resumed run sees the same order"
-                )
+        _require_same(
+            i, ref, fetch(i),
+            f"changed after begin_epoch({epoch}) was called again; the epoch's plan must be a "
+            "function of the epoch (and the source's seed), so that a resumed run sees the same "
+            "order",
+        )
     return None

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro import Device, GraphConst
+from jaxnitro import Device
 
-from tiny import N_CLASSES, Tiny, tiny_data
+from tiny import N_CLASSES, Tiny, TinyCore, tiny_data
 
 DATA = tiny_data()
 BATCH = {"x": DATA["val"][0]["x"]}
@@ -24,15 +24,9 @@ def misses() -> int:
 
 
 @jn.experiment
-class Weighted:
+class Weighted(TinyCore):
     """Tiny with an array-valued Device field and an integer Device field."""
 
-    width: GraphConst[int] = 16
-    "Hidden width (structural)."
-    smoothing: Device[float] = 0.0
-    "Label smoothing."
-    temperature: Device[float] = 1.0
-    "Logit temperature."
     class_weights: Device[np.ndarray] = jn.field(factory=lambda: np.ones(N_CLASSES, np.float32))
     "Per-class loss weights."
     offset: Device[int] = 0
@@ -40,12 +34,8 @@ class Weighted:
     max_epochs: int = 1
     "Epoch budget (Host)."
 
-    build_data = Tiny.build_data
-    build_model = Tiny.build_model
-    loss = Tiny.loss
-
     def forward(self, model, state, *, x):
-        logits = jax.vmap(model)(x) / self.temperature
+        logits, state = TinyCore.forward(self, model, state, x=x)
         return logits * self.class_weights + self.offset, state
 
 

@@ -2,8 +2,8 @@
 
 When a hook or a run-knob accessor is redefined afterwards, every entry point
 prints (to stderr) what changed and keeps running what it was built with.
-Experiment classes here are LOCAL (defined in the test functions), so
-monkeypatching never touches the shared ``Tiny`` class.
+Experiment classes here are LOCAL (subclasses of ``TinyCore`` defined in the
+test functions), so monkeypatching never touches the shared ``Tiny`` class.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro import Device, GraphConst
 
-from tiny import N_CLASSES, Tiny, tiny_data
+from tiny import N_CLASSES, Tiny, TinyCore, tiny_data
 
 DATA = tiny_data()
 BATCH = {"x": DATA["val"][0]["x"]}
@@ -46,16 +45,8 @@ def zero_forward(self, model, state, *, x):
 
 def test_monkeypatched_hook_is_reported_by_every_verb_and_not_used(tmp_path, capsys, monkeypatch):
     @jn.experiment
-    class Local:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
+    class Local(TinyCore):
         max_epochs: int = 1
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
 
     run = dict(run_dir=tmp_path, logger=None)
     reference = jn.train(Local(), **run)  # trained before anything changed
@@ -100,16 +91,7 @@ def assert_equal(a: dict, b: dict) -> None:
 
 def test_added_and_removed_hooks_are_reported(tmp_path, capsys, monkeypatch):
     @jn.experiment
-    class Local:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
-
+    class Local(TinyCore):  # not Tiny: a deleted learning_rate must not fall back to Tiny's
         def learning_rate(self):
             return 1e-2
 
@@ -127,18 +109,10 @@ def test_redefined_class_in_a_notebook_cell_is_reported(tmp_path, capsys, monkey
         """
         import jax
         import jaxnitro as jn
-        from jaxnitro import Device, GraphConst
-        from tiny import Tiny
+        from tiny import TinyCore
 
         @jn.experiment
-        class Cell:
-            width: GraphConst[int] = 16
-            smoothing: Device[float] = 0.0
-            temperature: Device[float] = 1.0
-            build_data = Tiny.build_data
-            build_model = Tiny.build_model
-            loss = Tiny.loss
-
+        class Cell(TinyCore):
             def forward(self, model, state, *, x):
                 return jax.vmap(model)(x) * SCALE, state
         """
@@ -164,16 +138,8 @@ def test_redefined_class_in_a_notebook_cell_is_reported(tmp_path, capsys, monkey
 
 def test_accessor_returning_a_new_value_is_reported_and_the_old_value_kept(tmp_path, capsys, monkeypatch):
     @jn.experiment
-    class WithAccum:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
+    class WithAccum(TinyCore):
         max_epochs: int = 1
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
 
         def accum(self):
             return 2
@@ -198,16 +164,7 @@ def test_accessor_returning_a_new_value_is_reported_and_the_old_value_kept(tmp_p
 
 def test_set_config_report_silences_the_report(tmp_path, capsys, monkeypatch):
     @jn.experiment
-    class Local:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
-
+    class Local(TinyCore):
         def seed(self):
             return 1
 
@@ -235,15 +192,8 @@ def test_rebuild_with_the_same_data_reuses_it_and_compiles_nothing(tmp_path, cap
     built = []
 
     @jn.experiment
-    class Counted:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
+    class Counted(TinyCore):
         max_epochs: int = 1
-
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
 
         def build_data(self, dist):
             built.append(1)
@@ -268,17 +218,9 @@ def test_rebuild_with_the_same_data_reuses_it_and_compiles_nothing(tmp_path, cap
 
 def test_run_knob_precedence_and_sources(tmp_path):
     @jn.experiment
-    class Knobs:
-        width: GraphConst[int] = 16
-        smoothing: Device[float] = 0.0
-        temperature: Device[float] = 1.0
+    class Knobs(TinyCore):
         max_epochs: int = 3
         seed: int = 11
-
-        build_data = Tiny.build_data
-        build_model = Tiny.build_model
-        forward = Tiny.forward
-        loss = Tiny.loss
 
         def accum(self):
             return 2

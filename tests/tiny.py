@@ -12,6 +12,7 @@ import numpy as np
 
 import jaxnitro as jn
 from jaxnitro import Device, GraphConst
+from jaxnitro.experiment import fields_of
 
 N_FEATURES = 8
 N_CLASSES = 4
@@ -60,15 +61,20 @@ class Net(eqx.Module):
 
 
 @jn.experiment
-class Tiny:
+class TinyCore:
+    """Tiny's model half: its structural and traced fields, its data, model, forward and loss.
+
+    No run settings: ``max_epochs`` and ``learning_rate`` are left to the framework's
+    defaults. Subclass it for a local experiment that must not inherit them (or
+    whose hooks must disappear when deleted, rather than fall back to Tiny's).
+    """
+
     width: GraphConst[int] = 16
     "Hidden width (structural)."
     smoothing: Device[float] = 0.0
     "Label smoothing (a traced input)."
     temperature: Device[float] = 1.0
     "Logit temperature."
-    max_epochs: int = 2
-    "Epoch budget."
 
     def build_data(self, dist):
         return tiny_data()
@@ -83,5 +89,33 @@ class Tiny:
         target = (1 - self.smoothing) * label + self.smoothing / N_CLASSES
         return -jnp.mean(jnp.sum(target * jax.nn.log_softmax(logits), -1))
 
+
+@jn.experiment
+class Tiny(TinyCore):
+    max_epochs: int = 2
+    "Epoch budget."
+
     def learning_rate(self):
         return 1e-2
+
+
+def fresh_tiny(name: str = "FreshTiny", **members):
+    """A new experiment class: a subclass of Tiny with its own compile-cache keys.
+
+    The class is part of every program key, so a fresh class starts with no
+    programs, whatever other tests compiled before. ``members`` become class
+    attributes: hooks, or, for a name that is a field of Tiny, that field's new
+    default (it keeps its marker; attribute docs of a class made here are empty).
+    """
+    fields = fields_of(Tiny)
+    overridden = {field: _annotation(Tiny, field) for field in members if field in fields}
+    return jn.experiment(type(name, (Tiny,), {"__annotations__": overridden, **members}))
+
+
+def _annotation(cls, name: str):
+    """The annotation that declared field ``name`` on ``cls`` or its nearest base."""
+    for klass in cls.__mro__:
+        annotations = klass.__dict__.get("__annotations__", {})
+        if name in annotations:
+            return annotations[name]
+    raise KeyError(name)
