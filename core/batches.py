@@ -90,6 +90,13 @@ def wrap_split(source, split: str):
     """Wrap a split in a PrefetchIterator unless it already is one (or NoPrefetch)."""
     if isinstance(source, (PrefetchIterator, NoPrefetch)):
         return source
+    from .plugin_manager import first_result
+
+    adapted = first_result("jaxnitro_adapt_source", source=source, split=split)
+    if adapted is not None:  # a plugin knows this loader type (grain, torch, ...)
+        source = adapted
+        if isinstance(source, (PrefetchIterator, NoPrefetch)):
+            return source
     if isinstance(source, Mapping):
         raise TypeError(
             f"jaxnitro: split `{split}` is a single dict; a split is a source of batches (an "

@@ -20,6 +20,7 @@ compiled executables instead of compiling them.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import threading
 from typing import Callable, NamedTuple
@@ -84,7 +85,30 @@ class Program:
 
 
 def stable_key(obj):
-    """Return ``obj`` if hashable, else a key by identity (never equal to another object's)."""
+    """A hashable key for ``obj`` that is equal for equivalent objects across handles.
+
+    * arrays (a non-trainable array inside a model) are keyed by shape, dtype
+      and a hash of their bytes: they are baked into the program as constants;
+    * plain functions (a ``lambda`` returned from ``optimizer()``, say) by their
+      code, defaults and closure values, so a new but identical lambda does not
+      recompile; ``functools.partial`` by its function and arguments;
+    * other hashable objects by themselves; anything else by identity (a new
+      object then means a new program, never a wrong one).
+    """
+    if hasattr(obj, "shape") and hasattr(obj, "dtype") and not isinstance(obj, type):
+        import hashlib
+
+        import numpy as np
+
+        arr = np.asarray(obj)
+        return ("array", arr.shape, str(arr.dtype), hashlib.sha1(arr.tobytes()).hexdigest())
+    if isinstance(obj, functools.partial):
+        return ("partial", stable_key(obj.func), tuple(stable_key(a) for a in obj.args),
+                tuple(sorted((k, stable_key(v)) for k, v in obj.keywords.items())))
+    if inspect.isfunction(obj):
+        cells = tuple(stable_key(c.cell_contents) for c in (obj.__closure__ or ()))
+        defaults = tuple(stable_key(d) for d in (obj.__defaults__ or ()))
+        return ("function", obj.__module__, obj.__qualname__, obj.__code__, defaults, cells)
     try:
         hash(obj)
         return obj

@@ -73,7 +73,7 @@ class Nitro:
                 f"@jn.experiment, instantiated), got {experiment!r}."
             )
         _knobs.check_keywords(kwargs)
-        for unsupported in ("resume", "w0", "restore_optimizer", "restore_best", "checkpointer", "ema"):
+        for unsupported in ("resume", "w0", "restore_optimizer", "restore_best"):
             if kwargs.get(unsupported) not in (None, False):
                 raise NotImplementedError(
                     f"jaxnitro: `{unsupported}` is not available in this version yet "
@@ -85,6 +85,13 @@ class Nitro:
         self.hooks = resolve_hooks(e, Defaults())
         self.knobs = _knobs.resolve_knobs(e, kwargs)
         k = {name: r.value for name, r in self.knobs.items()}
+        for unsupported in ("checkpointer", "ema"):
+            if k[unsupported] is not None:
+                raise NotImplementedError(
+                    f"jaxnitro: run knob `{unsupported}` is set ({self.knobs[unsupported].source}) but "
+                    f"checkpointing and EMA are not available in this version yet; remove it (or set "
+                    f"it to None) rather than have it silently ignored."
+                )
         self._check_knobs(e, k)
         self.seed = int(k["seed"])
         self.accum = int(k["accum"])
@@ -210,6 +217,17 @@ class Nitro:
         device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
         self.bindings = bind_schedules(self.schedules, device_fields, group_names)
         self.monitor = self._resolve_monitor()
+        if self.early_stop is not None and self.monitor is None:
+            raise ValueError(
+                f"jaxnitro: `early_stop` is set ({self.knobs['early_stop'].source}) but {type(e).__name__} "
+                f"has no `monitor` hook, so early stopping has no metric to watch. Define "
+                f"`def monitor(self): return ('<metric>', 'max' | 'min')`, or drop early_stop."
+            )
+        if self.early_stop is not None and "val" not in self.data and "train" in self.data:
+            raise ValueError(
+                "jaxnitro: `early_stop` watches the `val` split's metrics, but the data has no `val` "
+                f"split (splits: {sorted(self.data)}). Return one from build_data, or drop early_stop."
+            )
         self.step = 0
         self.epoch = 0
         self.rows: list[dict] = []
@@ -388,9 +406,21 @@ class Nitro:
         )
 
     def release(self) -> None:
-        """Release every split's source (calls ``release()`` on sources that define it)."""
+        """Release every split's source (calls ``release()`` on sources that define it).
+
+        Call it when done with the handle, or use the handle as a context manager
+        (``with jn.Nitro(e) as n: ...``). The framework does not release sources
+        by itself after ``train()``: the handle's ``validate``/``evaluate`` and a
+        rebuilt handle (``data=n.data``) still read them.
+        """
         for src in self.data.values():
             src.release()
+
+    def __enter__(self) -> "Nitro":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     # -- Device values -------------------------------------------------------------------
 

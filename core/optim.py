@@ -91,7 +91,7 @@ class OptimizerSpec:
 
     def key(self) -> tuple:
         return (
-            tuple((g.name, stable_key(g.rule), g.weight_decay != 0.0) for g in self.groups),
+            tuple((g.name, stable_key(g.rule)) for g in self.groups),
             tuple(jax.tree_util.tree_leaves(self.labels)),
             self.clips,
         )

@@ -76,8 +76,13 @@ def _bindings_band(nitro) -> Band:
 def _groups_band(nitro) -> Band:
     rows = []
     if nitro.opt_spec is not None:
+        opt = nitro.bindings.opt
         for g in nitro.opt_spec.groups:
-            rows.append((g.name, f"{nitro.base_lr * g.ratio:g}", g.ratio, "zero", g.weight_decay, g.rule_name, g.n_params))
+            lr_scheduled = (None, "learning_rate") in opt or (g.name, "learning_rate") in opt
+            wd_scheduled = (None, "weight_decay") in opt or (g.name, "weight_decay") in opt
+            rate = f"schedule x {g.ratio:g}" if lr_scheduled else f"{nitro.base_lr * g.ratio:g}"
+            decay = "schedule" if wd_scheduled else g.weight_decay
+            rows.append((g.name, rate, g.ratio, "zero", decay, g.rule_name, g.n_params))
     return Band("parameter groups", ("group", "rate", "ratio", "anchor", "decay", "rule", "parameters"), rows)
 
 

@@ -21,8 +21,10 @@ import jax
 import numpy as np
 import structlog
 
+from .batches import batch_width, unwrap
 from .evaluation import evaluate_split, logger_call, logger_verb, make_transfer
 from .plugin_manager import first_result
+from .prefetch import is_addressable
 from .progress import Progress
 from .schedules import materialize
 from .show import binding_report_text, params_for_logger
@@ -122,13 +124,20 @@ class _Schedules:
 
 
 def run_training(nitro) -> None:
-    """Run ``nitro``'s training; see :meth:`jaxnitro.Nitro.train`."""
+    """Run ``nitro``'s training; see :meth:`jaxnitro.Nitro.train`.
+
+    The logger is finished with the run's status whatever happens: ``"done"``,
+    ``"diverged"``, ``"interrupted"`` (Ctrl-C) or ``"failed"`` (an exception,
+    which propagates). A logger error while finishing a run that already failed
+    is reported as a warning, so it never hides the original exception.
+    """
     nitro.status = "running"
     nitro.run_dir = new_run_folder(nitro.run_dir_root)
-    nitro.logger = make_logger(nitro, nitro.run_dir)
-    progress = Progress(nitro.max_epochs)
     status = "failed"
+    progress = None
     try:
+        nitro.logger = make_logger(nitro, nitro.run_dir)
+        progress = Progress(nitro.max_epochs)
         logger_call(nitro, "log_params", params_for_logger(nitro))
         logger_call(nitro, "log_other", "binding_report", binding_report_text(nitro))
         status = _loop(nitro, progress)
@@ -137,12 +146,15 @@ def run_training(nitro) -> None:
         raise
     finally:
         nitro.status = status
-        try:
-            if nitro.logger is not None:
+        if progress is not None:
+            progress.close(nitro.epoch, status)
+        if nitro.logger is not None:
+            try:
                 logger_call(nitro, "finish", status)
-        finally:
-            progress.close(nitro.epoch, "done" if status == "done" else status)
-            nitro.release()
+            except Exception as err:
+                if status == "done":
+                    raise
+                log.warning("logger finish failed", status=status, error=repr(err))
 
 
 def _loop(nitro, progress: Progress) -> str:
@@ -161,6 +173,8 @@ def _loop(nitro, progress: Progress) -> str:
     step_fn = step_prog.jitted
     scale = jax.device_put(np.float32(1.0 / accum))
     transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
+    if not is_addressable(unwrap(train)):
+        transfer = _width_checked(transfer, nitro.width)  # setup could not see its last batch
     dev = nitro.device_values
     early = nitro.early_stop
     if early is not None and hasattr(early, "reset"):
@@ -254,6 +268,23 @@ def _loop(nitro, progress: Progress) -> str:
         if stop:
             return "done"
     return "done"
+
+
+def _width_checked(transfer, width: int):
+    """Wrap ``transfer`` to refuse a train batch whose width differs (a partial final batch)."""
+
+    def checked(batch):
+        n = batch_width(batch, "train batch")
+        if n != width:
+            raise ValueError(
+                f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have {width}. "
+                f"The train split must drop its partial final batch (a partial batch would compile a "
+                f"second train step and weight its rows differently). Fix: build the loader with "
+                f"drop_last=True, or give the source batch_at/begin_epoch so setup can check it."
+            )
+        return transfer(batch)
+
+    return checked
 
 
 def _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched) -> bool:

@@ -279,3 +279,23 @@ def test_batch_field_taken_positionally_is_refused_at_setup(tmp_path):
     msg = message(err)
     assert "hook `loss` of experiment:Positional takes positional parameters ('self', 'logits', 'label')" in msg
     assert "`loss(self, outputs, *, <batch fields>)`" in msg and "keyword-only parameters (after `*`)" in msg
+
+
+def test_partial_final_batch_of_a_plain_iterable_train_split_is_refused(tmp_path):
+    """A generator-backed source can't be inspected at setup; the first epoch refuses the batch."""
+    from tiny import tiny_data
+
+    full = tiny_data()["train"]
+    partial = [dict(full[0]), {k: v[:5] for k, v in full[1].items()}]
+
+    class Iterable:  # len() and iteration only: not index-addressable
+        def __len__(self):
+            return len(partial)
+
+        def __iter__(self):
+            return iter(partial)
+
+    n = jn.Nitro(Tiny(), data={"train": Iterable()}, run_dir=tmp_path, logger=None)
+    with pytest.raises(Exception, match=r"(?s)5 rows.*have 16.*drop its partial final batch.*drop_last=True"):
+        n.train()
+    assert n.status == "failed"

@@ -55,6 +55,26 @@ PLUGIN_SOURCE = textwrap.dedent(
         return logger
 
 
+    class ForeignLoader:
+        """A loader type jaxnitro knows nothing about (no len(), no batch dicts)."""
+
+        def __init__(self, x, label, batch):
+            self.x, self.label, self.batch = x, label, batch
+
+
+    ADAPTED = []
+
+
+    @hookimpl
+    def jaxnitro_adapt_source(source, split):
+        if not isinstance(source, ForeignLoader):
+            return None
+        ADAPTED.append(split)
+        b = source.batch
+        return [{"x": source.x[i:i + b], "label": source.label[i:i + b]}
+                for i in range(0, len(source.x) - b + 1, b)]
+
+
     @hookimpl
     def finalize_metrics(self, acc, split):
         # an installed default for experiments that define no finalize_metrics
@@ -139,7 +159,9 @@ def test_third_party_plugin_is_discovered_and_used(tmp_path):
         assert {"jsonl", "progress", "memory"} <= set(info)
         mine = info["memory"]
         assert (mine.distribution, mine.version, mine.module) == (PLUGIN_DIST, "0.1", PLUGIN_MODULE)
-        assert set(mine.hooks) == {"jaxnitro_make_logger", "finalize_metrics", "learning_rate"}
+        assert set(mine.hooks) == {
+            "jaxnitro_make_logger", "jaxnitro_adapt_source", "finalize_metrics", "learning_rate"
+        }
 
         plugin = sys.modules[PLUGIN_MODULE]
         n = jn.train(Tiny(), logger="memory", run_dir=tmp_path / "runs", max_epochs=2)
@@ -200,3 +222,15 @@ def test_disabling_a_builtin_plugin(tmp_path, monkeypatch):
     monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS")
     jn.reload_plugins()
     assert "jsonl" in names()
+
+
+def test_a_plugin_adapts_a_foreign_loader_type(tmp_path):
+    from tiny import make_arrays
+
+    with installed_plugin(tmp_path):
+        plugin = sys.modules[PLUGIN_MODULE]
+        x, _, onehot = make_arrays(64)
+        n = jn.train(Tiny(max_epochs=1), data={"train": plugin.ForeignLoader(x, onehot, 16)},
+                     run_dir=tmp_path / "runs", logger=None)
+        assert plugin.ADAPTED == ["train"]
+        assert len(n.data["train"]) == 4 and n.step == 4 and n.status == "done"
