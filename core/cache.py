@@ -8,8 +8,9 @@ loggers and early stopping never enter a key: they are program inputs or host
 state.
 
 ``cache_stats()`` is the witness: ``misses`` counts traces (each trace is
-one XLA compilation), ``hits`` counts program requests served by an existing
-compiled program, ``entries`` the compiled programs held.
+one XLA compilation), ``hits`` counts the programs a handle found already in
+the cache (each handle asks once per program), ``entries`` the compiled
+programs held.
 
 Across processes, :func:`enable_persistent_cache` (or the
 ``JAXNITRO_COMPILATION_CACHE`` environment variable) opts in to JAX's

@@ -128,6 +128,14 @@ class ProgramSet:
             skeleton.key,
         )
 
+    def _program(self, kind: str, key: tuple, build, donate_argnums=()) -> Program:
+        """This handle's program of ``kind``: looked up in the module cache once per handle,
+        so ``cache_stats().hits`` counts programs a handle reused, not calls."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if (kind, key) not in memo:
+            memo[(kind, key)] = get_program(kind, key, build, donate_argnums=donate_argnums)
+        return memo[(kind, key)]
+
     # -- helpers used inside traces ------------------------------------------
 
     def view(self, dev: dict):
@@ -216,7 +224,7 @@ class ProgramSet:
 
             return accumulate
 
-        return get_program("accumulate", self.train_key(), build, donate_argnums=(1, 4))
+        return self._program("accumulate", self.train_key(), build, donate_argnums=(1, 4))
 
     def train_step(self, opt: OptimizerSpec, tx, opt_def) -> Program:
         """``(param_leaves, state_leaves, opt_leaves, dev, batch, acc, scale, hypers)`` ->
@@ -250,7 +258,7 @@ class ProgramSet:
 
             return train_step
 
-        return get_program(
+        return self._program(
             "train_step",
             self.train_key() + (opt.key(), stable_key(opt_def)),
             build,
@@ -267,7 +275,7 @@ class ProgramSet:
 
             return forward
 
-        return get_program("forward", self._base_key + self._hook_key("forward"), build)
+        return self._program("forward", self._base_key + self._hook_key("forward"), build)
 
     def metrics(self) -> Program:
         """``(dev, outputs, batch) -> {name: (value, count)}`` for device-resident metrics.
@@ -291,7 +299,7 @@ class ProgramSet:
 
             return metrics
 
-        return get_program("metrics", self._base_key + self._hook_key("metrics"), build)
+        return self._program("metrics", self._base_key + self._hook_key("metrics"), build)
 
 
 def zeros_like_tree(tree):
