@@ -35,8 +35,9 @@ log = structlog.get_logger("jaxnitro")
 
 READ_EVERY = 32
 """Optimizer steps between host reads of the per-step scalars (a divergence is seen within this)."""
-LAG = 2
-"""Newest steps left unread at each read, so the host never waits for the device mid-epoch."""
+MAX_PENDING = 4 * READ_EVERY
+"""Unread steps after which the host reads even if the device is behind (bounds memory and the
+divergence check's delay)."""
 
 
 def new_run_folder(root: str) -> str:
@@ -214,11 +215,16 @@ def _loop(nitro, progress: Progress) -> str:
                     acc, micro = None, 0
                     step += 1
                     pending.append(aux)
-                    if len(pending) >= READ_EVERY + LAG:
-                        # read all but the newest LAG steps: those are still computing, and
-                        # waiting for them would leave the device idle while the host logs
-                        ready, pending = pending[:-LAG], pending[-LAG:]
-                        diverged = _drain(nitro, ready, step - LAG, epoch, losses, step_prog, log_every, logged_sched)
+                    # Read a stretch of steps only once its last one has finished computing:
+                    # waiting on the device here would make the host spin instead of
+                    # dispatching (on a CPU backend it would take a core from the compute).
+                    if len(pending) >= READ_EVERY and (
+                        pending[READ_EVERY - 1].is_ready() or len(pending) >= MAX_PENDING
+                    ):
+                        ready, pending = pending[:READ_EVERY], pending[READ_EVERY:]
+                        diverged = _drain(
+                            nitro, ready, step - len(pending), epoch, losses, step_prog, log_every, logged_sched
+                        )
                         progress.advance((step - epoch_start) / steps_per_epoch)
                         if diverged:
                             break
