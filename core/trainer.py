@@ -233,8 +233,18 @@ def _loop(nitro, progress: Progress) -> str:
             stream.close()
             publish(params, mstate, opt_state)
         nitro.step = step
-        if not diverged and pending:
-            diverged = _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched)
+        while pending and not diverged:
+            # Process each finished stretch while the device computes the rest; poll with
+            # short sleeps rather than a blocking read, which on a CPU backend would keep a
+            # core busy that the computation we wait for needs.
+            done = 0
+            while done < len(pending) and pending[done].is_ready():
+                done += 1
+            if done == 0:
+                time.sleep(0.0002)
+                continue
+            ready, pending = pending[:done], pending[done:]
+            diverged = _drain(nitro, ready, step - len(pending), epoch, losses, step_prog, log_every, logged_sched)
         elapsed = time.perf_counter() - t_epoch
         logger_call(nitro, "log_metrics", {"data_wait_frac": wait / elapsed if elapsed else 0.0},
                     step=step, epoch=epoch, context="data")
