@@ -14,6 +14,7 @@ import numpy as np
 
 from .batches import batch_width, pad_batch, slice_outputs
 from .metrics import MetricAccumulator
+from .routing import KEY, KEY_COUNT, KEY_DATA
 
 __all__ = ["evaluate_split", "predict_batch", "make_transfer", "logger_call"]
 
@@ -70,6 +71,11 @@ def make_transfer(nitro, hooks):
     return lambda batch: put({f: batch[f] for f in fields if f in batch})
 
 
+def eval_key_entries(nitro) -> dict:
+    """The key entries for evaluation and prediction: the run's base key, counter 0 (fixed)."""
+    return {KEY_DATA: nitro.run_key, KEY_COUNT: np.uint32(0)}
+
+
 def _check_width(nitro, n: int, what: str) -> None:
     if n == 0:
         raise ValueError(f"jaxnitro: {what} has no rows; pass a batch with at least one row.")
@@ -93,7 +99,12 @@ def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
     metrics_fn = nitro.hooks["metrics"].function if "metrics" in nitro.hooks else None
     fwd_fields = _device_fields(nitro, ("forward",) + (("metrics",) if device_metrics else ()))
     forward_only = _device_fields(nitro, ("forward",))  # the forward program's input, as in predict
+    if nitro.routes["forward"].wants_key:
+        forward_only += (KEY_DATA, KEY_COUNT)
     to_device = jax.device_put if stages_on_device() else (lambda b: b)
+    wants_key = any(
+        nitro.routes[h].wants_key for h in ("forward",) + (("metrics",) if device_metrics else ()) if h in nitro.routes
+    )
     width_holder = {}
 
     def stage(batch):
@@ -102,7 +113,10 @@ def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
         w = nitro.width
         padded = pad_batch({f: batch[f] for f in fwd_fields if f in batch}, w) if n < w else batch
         width_holder["w"] = w
-        return n, batch, to_device({f: padded[f] for f in fwd_fields if f in padded})
+        staged = {f: padded[f] for f in fwd_fields if f in padded}
+        if wants_key:
+            staged.update(eval_key_entries(nitro))
+        return n, batch, to_device(staged)
 
     acc = MetricAccumulator()
     dev = nitro.device_values
@@ -118,7 +132,7 @@ def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
         w = width_holder["w"]
         if device_metrics:
             out_n = slice_outputs(outputs, n, w)
-            fields = {k: v[:n] for k, v in dev_batch.items()} if n < w else dev_batch
+            fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in dev_batch.items()} if n < w else dev_batch
             res = jax.device_get(metrics_prog.jitted(dev, out_n, fields))
             modes = metrics_prog.meta["modes"]
             acc.add({k: (v, c if modes[k] == "count" else modes[k]) for k, (v, c) in res.items()})
@@ -127,8 +141,11 @@ def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
             if metrics_fn is not None:
                 acc.add(metrics_fn(e, host_out, **nitro.routes["metrics"].select(host_batch)))
             elif "loss" in nitro.hooks:
+                loss_batch = host_batch
+                if nitro.routes["loss"].wants_key:
+                    loss_batch = {**host_batch, KEY: jax.random.fold_in(nitro.run_key, 0)}
                 value = nitro.hooks["loss"].function(
-                    progs.view(dev), host_out, **nitro.routes["loss"].select(host_batch)
+                    progs.view(dev), host_out, **nitro.routes["loss"].select(loss_batch)
                 )
                 acc.add({"loss": (np.asarray(value), 1)})
     result = acc.result()
@@ -152,6 +169,8 @@ def predict_batch(nitro, batch):
     _check_width(nitro, n, "the prediction batch")
     w = nitro.width
     padded = pad_batch(fields, w) if n < w else fields
+    if route.wants_key:
+        padded = {**padded, **eval_key_entries(nitro)}
     outputs = nitro.programs.forward().jitted(
         nitro.params, nitro.model_state, nitro.device_values, jax.device_put(padded)
     )

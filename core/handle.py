@@ -192,6 +192,12 @@ class Nitro:
                 "metrics_residency('train_metrics') must be 'device'."
             )
         self.metrics_on_device = "metrics" in self.hooks and residency(e, "metrics") == "device"
+        if "metrics" in self.routes and self.routes["metrics"].wants_key and not self.metrics_on_device:
+            raise TypeError(
+                "jaxnitro: `metrics` declares the keyword `key`, but it runs on the host (its "
+                "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
+                "`key` from `metrics`, or make it device-resident (metrics_residency -> 'device')."
+            )
         for hook in ("metrics", "train_metrics"):
             where = residency(e, hook)
             if where not in ("device", "host"):

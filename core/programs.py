@@ -37,7 +37,7 @@ from .experiment import make_view
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, set_hypers
-from .routing import Route
+from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
 
@@ -56,6 +56,21 @@ def split_model(model):
     leaves, treedef = jax.tree_util.tree_flatten(static)
     key = (stable_key(treedef), tuple(stable_key(x) for x in leaves))
     return params, ModelSkeleton(static, key)
+
+
+def with_key(batch: dict) -> dict:
+    """Inside a trace: turn the framework's key entries into the ``key`` hooks receive.
+
+    ``key = fold_in(base key, counter)``; the base key comes from the run's seed
+    and the counter numbers micro-batches, so every micro-batch gets its own key
+    and a seed or counter change compiles nothing.
+    """
+    if KEY_COUNT not in batch:
+        return batch
+    batch = dict(batch)
+    data, count = batch.pop(KEY_DATA), batch.pop(KEY_COUNT)
+    batch[KEY] = jax.random.fold_in(data, count)
+    return batch
 
 
 def _check_forward_result(res, state, cls_name: str):
@@ -213,6 +228,7 @@ class ProgramSet:
 
         def build(meta):
             def accumulate(p_leaves, s_leaves, dev, batch, acc):
+                batch = with_key(batch)
                 params = jax.tree_util.tree_unflatten(p_def, p_leaves)
                 state = jax.tree_util.tree_unflatten(s_def, s_leaves)
                 grads, new_state, aux = self._grads(params, state, dev, batch, meta)
@@ -239,6 +255,7 @@ class ProgramSet:
 
         def build(meta):
             def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
+                batch = with_key(batch)
                 params = jax.tree_util.tree_unflatten(p_def, p_leaves)
                 state = jax.tree_util.tree_unflatten(s_def, s_leaves)
                 opt_state = jax.tree_util.tree_unflatten(opt_def, o_leaves)
@@ -270,6 +287,7 @@ class ProgramSet:
 
         def build(meta):
             def forward(params, state, dev, batch):
+                batch = with_key(batch)
                 outputs, _ = self._forward(self.view(dev), params, state, batch, inference=True)
                 return outputs
 
@@ -287,6 +305,7 @@ class ProgramSet:
             modes = meta.setdefault("modes", {})
 
             def metrics(dev, outputs, batch):
+                batch = with_key(batch)
                 res = self._hook("metrics")(self.view(dev), outputs, **self.routes["metrics"].select(batch))
                 out = {}
 

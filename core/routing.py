@@ -6,6 +6,10 @@ A hook declares the batch fields it wants as keyword-only parameters::
 
 ``label`` is required, ``weight`` optional. Signatures are read once at setup
 into :class:`Route` objects; a field no hook declares never leaves the host.
+
+The keyword ``key`` is reserved: a traced hook that declares it receives a
+``jax.random`` key from the framework (distinct for every micro-batch, derived
+from the run's ``seed``), e.g. for ``eqx.nn.Dropout``. It is not a batch field.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["Route", "route_of", "BatchFieldError"]
+__all__ = ["Route", "route_of", "BatchFieldError", "KEY", "KEY_DATA", "KEY_COUNT"]
+
+KEY = "key"
+"""The reserved keyword through which traced hooks receive a PRNG key."""
+KEY_DATA = "__jaxnitro_key_data__"
+KEY_COUNT = "__jaxnitro_key_count__"
+"""Batch entries the framework adds when a hook wants a key: the run's base key and a counter."""
 
 
 class BatchFieldError(KeyError):
@@ -30,6 +40,7 @@ class Route:
     hook: str
     required: tuple[str, ...]
     optional: tuple[str, ...]
+    wants_key: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -48,8 +59,12 @@ class Route:
             )
 
     def select(self, batch: dict) -> dict:
-        """The subset of ``batch`` this hook receives (optional fields only when present)."""
-        return {f: batch[f] for f in self.fields if f in batch}
+        """The subset of ``batch`` this hook receives (optional fields only when present),
+        plus the framework's ``key`` when the hook declares one."""
+        out = {f: batch[f] for f in self.fields if f in batch}
+        if self.wants_key:
+            out[KEY] = batch[KEY]
+        return out
 
 
 def route_of(hook: str, function) -> Route:
@@ -59,8 +74,11 @@ def route_of(hook: str, function) -> Route:
     """
     sig = inspect.signature(function)
     required, optional = [], []
+    wants_key = False
     for p in sig.parameters.values():
-        if p.kind is inspect.Parameter.KEYWORD_ONLY:
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name == KEY:
+            wants_key = True
+        elif p.kind is inspect.Parameter.KEYWORD_ONLY:
             (optional if p.default is not inspect.Parameter.empty else required).append(p.name)
         elif p.kind is inspect.Parameter.VAR_KEYWORD:
             raise TypeError(
@@ -68,4 +86,4 @@ def route_of(hook: str, function) -> Route:
                 f"declare each field it uses as a keyword-only parameter (`def {hook}(self, ..., *, "
                 f"img, label)`)."
             )
-    return Route(hook, tuple(required), tuple(optional))
+    return Route(hook, tuple(required), tuple(optional), wants_key)

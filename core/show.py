@@ -51,7 +51,10 @@ def _routing_band(nitro) -> Band:
     used = set()
     for hook, route in nitro.routes.items():
         where = "host" if hook == "metrics" and not nitro.metrics_on_device else "device"
-        fields = ", ".join(list(route.required) + [f"{f} (optional)" for f in route.optional]) or "(none)"
+        names = list(route.required) + [f"{f} (optional)" for f in route.optional]
+        if route.wants_key:
+            names.append("key (PRNG key from the framework)")
+        fields = ", ".join(names) or "(none)"
         rows.append((hook, fields, where))
         if where == "device":
             used.update(route.fields)

@@ -12,6 +12,7 @@ dispatch runs ahead of compute as in a hand-written ``jax.jit`` loop.
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import os
 import time
@@ -25,6 +26,7 @@ from .batches import batch_width, unwrap
 from .evaluation import evaluate_split, logger_call, logger_verb, make_transfer
 from .plugin_manager import first_result
 from .prefetch import is_addressable
+from .routing import KEY_COUNT, KEY_DATA
 from .progress import Progress
 from .schedules import materialize
 from .show import binding_report_text, params_for_logger
@@ -176,6 +178,8 @@ def _loop(nitro, progress: Progress) -> str:
     transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
     if not is_addressable(unwrap(train)):
         transfer = _width_checked(transfer, nitro.width)  # setup could not see its last batch
+    if any(nitro.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.routes):
+        transfer = _keyed(transfer, nitro.run_key, itertools.count(nitro.step * accum))
     dev = nitro.device_values
     early = nitro.early_stop
     if early is not None and hasattr(early, "reset"):
@@ -284,6 +288,18 @@ def _loop(nitro, progress: Progress) -> str:
         if stop:
             return "done"
     return "done"
+
+
+def _keyed(transfer, key_data, counter):
+    """Wrap ``transfer`` to add the run's base key and the micro-batch number (see ``key``)."""
+
+    def keyed(batch):
+        batch = transfer(batch)
+        batch[KEY_DATA] = key_data
+        batch[KEY_COUNT] = np.uint32(next(counter))
+        return batch
+
+    return keyed
 
 
 def _width_checked(transfer, width: int):

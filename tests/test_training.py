@@ -332,3 +332,44 @@ def test_no_train_split_allocates_no_optimizer_state(tmp_path):
     assert out.shape == (3, N_CLASSES) and isinstance(out, np.ndarray)
     with pytest.raises(ValueError, match="no `train` split"):
         n.train()
+
+
+class DropNet(eqx.Module):
+    lin: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(N_FEATURES, N_CLASSES, key=key)
+        self.drop = eqx.nn.Dropout(0.5)
+
+    def __call__(self, x, key):
+        return self.lin(self.drop(x, key=key))
+
+
+@jn.experiment
+class WithDropout(Tiny):
+    def build_model(self, key):
+        return DropNet(key)
+
+    def forward(self, model, state, *, x, key):
+        keys = jax.random.split(key, x.shape[0])
+        return jax.vmap(model)(x, keys), state
+
+    def train_metrics(self, logits, *, key):
+        return {"key_word": jax.random.key_data(key)[-1].astype(jnp.float32)}  # a word of the key
+
+
+def test_hooks_declaring_key_get_a_fresh_prng_key_per_micro_batch(tmp_path):
+    """`key` is supplied by the framework (not a batch field): distinct per micro-batch,
+    reproducible per seed, fixed in evaluation/prediction (inference mode ignores dropout)."""
+    a = jn.train(WithDropout(max_epochs=2), run_dir=tmp_path, accum=2)
+    words = [line["key_word"] for line in train_lines(a)]
+    assert len(words) == 6 and len(set(words)) == 6  # one fresh key per optimizer step's last micro-batch
+    b = jn.train(WithDropout(max_epochs=2), run_dir=tmp_path, accum=2)
+    assert all(np.array_equal(p, q) for p, q in zip(leaves(a.params), leaves(b.params)))  # same seed
+    c = jn.train(WithDropout(max_epochs=2), run_dir=tmp_path, accum=2, seed=1)
+    assert [line["key_word"] for line in train_lines(c)] != words  # another seed, other keys
+    x = tiny_data()["val"][0]["x"]
+    np.testing.assert_array_equal(a.predict({"x": x}), a.predict({"x": x}))  # inference: deterministic
+    assert "key (PRNG key from the framework)" in repr(a)
+    assert "key" not in a.batch_fields  # it was never a batch field
