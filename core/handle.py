@@ -29,6 +29,7 @@ from .history import MetricHistory
 from .metrics import MetricAccumulator
 from .optim import build_optimizer_spec
 from .plugin_manager import resolve_hooks
+from .progress import SetupProgress
 from .programs import ProgramSet, split_model
 from .report import Band, render_bands_html, render_bands_text
 from .routing import route_of
@@ -67,6 +68,15 @@ class Nitro:
     """
 
     def __init__(self, experiment, **kwargs):
+        progress = SetupProgress()
+        ok = False
+        try:
+            self._setup(experiment, kwargs, progress)
+            ok = True
+        finally:
+            progress.close(ok)
+
+    def _setup(self, experiment, kwargs: dict, progress: SetupProgress) -> None:
         if not is_experiment(experiment) or isinstance(experiment, type):
             raise TypeError(
                 f"jaxnitro: Nitro takes an experiment instance (a class decorated with "
@@ -112,6 +122,7 @@ class Nitro:
             )
 
         # data, then derive (host values merged before device conversion)
+        progress.to("building data")
         if "data" in kwargs and kwargs["data"] is not None:
             data = kwargs["data"]
         else:
@@ -128,6 +139,7 @@ class Nitro:
             )
         self.data = {str(s): wrap_split(src, str(s)) for s, src in data.items()}
         if "derive" in self.hooks and data:
+            progress.to("deriving")
             # derive sees the user's sources, also when `data=` came from another handle
             derived = self.hooks["derive"].function(e, {s: unwrap(src) for s, src in self.data.items()}) or {}
             unknown = [n for n in derived if n not in fields_of(e)]
@@ -141,6 +153,7 @@ class Nitro:
         self.experiment = e
         self._snapshot = Snapshot.take(self)
 
+        progress.to("checking splits")
         self._resolve_routes()
         self.width: int | None = None
         self.batch_fields: tuple[str, ...] | None = None
@@ -161,6 +174,7 @@ class Nitro:
                     f"jaxnitro: {type(e).__name__} has no `{hook}` hook; define it as a method "
                     f"(see jaxnitro.hookspecs.ExperimentSpec.{hook})."
                 )
+        progress.to("building model")
         self.key = jax.random.PRNGKey(self.seed)
         model_key, self.run_key = jax.random.split(self.key)
         weights = kwargs.get("weights")
@@ -207,6 +221,7 @@ class Nitro:
         self.programs = self._program_set()
 
         # optimizer (only with a train split)
+        progress.to("building optimizer")
         self.opt_spec = None
         self.opt_state = None
         if "train" in self.data:

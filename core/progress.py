@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["progress_reporter", "with_progress_note", "progress_note", "Progress"]
+__all__ = ["progress_reporter", "with_progress_note", "progress_note", "Progress", "SetupProgress"]
 
 _installed: object = "auto"
 _notes = threading.local()
@@ -84,22 +84,37 @@ def _stack() -> list:
 
 @contextlib.contextmanager
 def with_progress_note(note: str):
-    """Show ``note`` beside the current phase for the duration of the block (innermost wins)."""
+    """Show ``note`` beside the current phase for the duration of the block (innermost wins).
+
+    Use it inside a hook that takes a while (``build_data``, ``derive``,
+    ``finalize_metrics``): the display updates at once.
+    """
     stack = _stack()
     stack.append(str(note))
+    _redraw()
     try:
         yield
     finally:
         stack.pop()
+        _redraw()
 
 
 def progress_note(note: str) -> None:
-    """Replace the innermost note (or set one if none is open)."""
+    """Replace the innermost note (or set one if none is open); the display updates at once."""
     stack = _stack()
     if stack:
         stack[-1] = str(note)
     else:
         stack.append(str(note))
+    _redraw()
+
+
+_active: list = []  # the stretch being reported (setup or a run), so notes can redraw it
+
+
+def _redraw() -> None:
+    if _active:
+        _active[-1].note(None)
 
 
 def clear_notes() -> None:
@@ -109,8 +124,9 @@ def clear_notes() -> None:
 class Progress:
     """One bar for a whole run: ``total`` epochs, the running stretch interpolated.
 
-    Labels read ``epoch 3/40: train [compiling gradient]`` and end
-    ``done: 40/40 epochs``.
+    Labels read ``epoch 3/40: train [compiling train step]`` and end
+    ``done: 40/40 epochs``. While it is open, notes from
+    :func:`with_progress_note` / :func:`progress_note` redraw it.
     """
 
     def __init__(self, total: int, start: int = 0):
@@ -119,6 +135,7 @@ class Progress:
         self.epoch = start
         self.phase = "setup"
         self.reporter.begin(total, "setup")
+        _active.append(self)
 
     def label(self, detail: str | None = None) -> str:
         notes = _stack()
@@ -132,10 +149,43 @@ class Progress:
         self.reporter.update(epoch - 1, self.label(detail))
 
     def note(self, detail: str | None) -> None:
-        self.reporter.update(self.epoch - 1, self.label(detail))
+        self.reporter.update(max(self.epoch - 1, 0), self.label(detail))
 
     def advance(self, fraction: float) -> None:
         self.reporter.update(self.epoch - 1 + min(fraction, 1.0), self.label())
 
     def close(self, epochs_done: int, status: str = "done") -> None:
+        if self in _active:
+            _active.remove(self)
         self.reporter.close(f"{status}: {epochs_done}/{self.total} epochs")
+
+
+class SetupProgress:
+    """``Nitro(e)``'s setup as one line: ``setup [building data]`` ... ``setup done``."""
+
+    def __init__(self):
+        self.reporter = current_reporter()
+        self.step = "starting"
+        self.reporter.begin(1, self.label())
+        _active.append(self)
+
+    def label(self, detail: str | None = None) -> str:
+        notes = _stack()
+        extra = detail or (f"{self.step}: {notes[-1]}" if notes else self.step)
+        return f"setup [{extra}]"
+
+    def to(self, step: str) -> None:
+        """Name the step setup is in now (``"building data"``, ``"building model"``, ...)."""
+        self.step = step
+        self.reporter.update(0, self.label())
+
+    def note(self, detail: str | None) -> None:
+        self.reporter.update(0, self.label(detail))
+
+    def close(self, ok: bool = True) -> None:
+        if self in _active:
+            _active.remove(self)
+        label = "setup done" if ok else "setup failed"
+        if ok:
+            self.reporter.update(1, label)
+        self.reporter.close(label)
