@@ -9,6 +9,7 @@ from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enabl
 from .experiment import compile_view, experiment, field
 from .handle import Nitro, train
 from .history import MetricHistory
+from .logger_helpers import backend, logger_info
 from .hookspecs import hookimpl, hookspec
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
@@ -32,6 +33,7 @@ __all__ = [
     "NoPrefetch",
     "PrefetchIterator",
     "StrippedHost",
+    "backend",
     "cache_stats",
     "check_batch_at",
     "clear_cache",
@@ -41,6 +43,7 @@ __all__ = [
     "field",
     "hookimpl",
     "hookspec",
+    "logger_info",
     "plugins_info",
     "progress_note",
     "progress_reporter",

@@ -373,3 +373,18 @@ def test_hooks_declaring_key_get_a_fresh_prng_key_per_micro_batch(tmp_path):
     np.testing.assert_array_equal(a.predict({"x": x}), a.predict({"x": x}))  # inference: deterministic
     assert "key (PRNG key from the framework)" in repr(a)
     assert "key" not in a.batch_fields  # it was never a batch field
+
+
+def test_logger_info_and_backend(tmp_path):
+    n = jn.train(Tiny(max_epochs=1), run_dir=tmp_path)
+    info = jn.logger_info(n)
+    assert info["backend"] == "jsonl" and info["path"] == os.path.join(n.run_dir, "metrics.jsonl")
+    assert jn.backend(n) is n.logger
+
+    class Wrapper:
+        backend = object()
+
+    assert jn.backend(Wrapper()) is Wrapper.backend
+    assert jn.logger_info(Wrapper()) == {"backend": "Wrapper"}
+    with pytest.raises(ValueError, match="logger=None"):
+        jn.logger_info(jn.Nitro(Tiny(), run_dir=tmp_path, logger=None))
