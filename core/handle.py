@@ -121,9 +121,41 @@ class Nitro:
                 "n_devs=1 or leave it unset."
             )
 
-        # data, then derive (host values merged before device conversion)
         progress.to("building data")
-        if "data" in kwargs and kwargs["data"] is not None:
+        e = self._load_data(e, kwargs, progress)
+        self.experiment = e
+        self._snapshot = Snapshot.take(self)
+        progress.to("checking splits")
+        self._check_splits()
+        progress.to("building model")
+        self._build_model(e, kwargs.get("weights"))
+        # Device values: converted once, placed once
+        self.device_values = {
+            name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
+            for name, info in fields_of(e).items()
+            if info.is_device
+        }
+        self._resolve_residency(e)
+        self.programs = self._program_set()
+        progress.to("building optimizer")
+        self._build_optimizer(e)
+        self.monitor = self._resolve_monitor()
+        self._check_early_stop(e)
+        self.step = 0
+        self.epoch = 0
+        self.rows: list[dict] = []
+        self.run_dir: str | None = None
+        self.logger = None
+        self.status = "ready"
+        if kwargs.get("run_ref") is not None:
+            kwargs["run_ref"][:] = [self]
+
+    # -- setup steps ----------------------------------------------------------------
+
+    def _load_data(self, e, kwargs: dict, progress: SetupProgress):
+        """Take ``data=`` or call ``build_data``; wrap each split; run ``derive``. Returns the
+        experiment with the derived values merged (host values, before device conversion)."""
+        if kwargs.get("data") is not None:
             data = kwargs["data"]
         else:
             if "build_data" not in self.hooks:
@@ -138,46 +170,44 @@ class Nitro:
                 f"jaxnitro: the data must be a dict {{split: source}}, got {type(data).__name__}."
             )
         self.data = {str(s): wrap_split(src, str(s)) for s, src in data.items()}
-        if "derive" in self.hooks and data:
-            progress.to("deriving")
-            # derive sees the user's sources, also when `data=` came from another handle
-            derived = self.hooks["derive"].function(e, {s: unwrap(src) for s, src in self.data.items()}) or {}
-            unknown = [n for n in derived if n not in fields_of(e)]
-            if unknown:
-                raise KeyError(
-                    f"jaxnitro: `derive` returned {unknown}, which are not fields of "
-                    f"{type(e).__name__}; declare them as fields (Device[...] for values traced "
-                    f"code reads) so derive can fill them in."
-                )
-            e = attrs.evolve(e, **derived)
-        self.experiment = e
-        self._snapshot = Snapshot.take(self)
+        if "derive" not in self.hooks or not data:
+            return e
+        progress.to("deriving")
+        # derive sees the user's sources, also when `data=` came from another handle
+        derived = self.hooks["derive"].function(e, {s: unwrap(src) for s, src in self.data.items()}) or {}
+        unknown = [n for n in derived if n not in fields_of(e)]
+        if unknown:
+            raise KeyError(
+                f"jaxnitro: `derive` returned {unknown}, which are not fields of "
+                f"{type(e).__name__}; declare them as fields (Device[...] for values traced "
+                f"code reads) so derive can fill them in."
+            )
+        return attrs.evolve(e, **derived)
 
-        progress.to("checking splits")
+    def _check_splits(self) -> None:
+        """Resolve routing; check the train split (or find the batch width from another split)."""
         self._resolve_routes()
         self.width: int | None = None
         self.batch_fields: tuple[str, ...] | None = None
         if "train" in self.data:
             self.width = check_train_split(self.data["train"], self.accum)
             self._check_routes(peek(self.data["train"]), "train", ("forward", "loss", "train_metrics"))
-        else:
-            for split, src in self.data.items():
-                first = peek(src) if len(src) else None
-                if first is not None:
-                    self.width = batch_width(first, f"`{split}` split's first batch")
-                    break
+            return
+        for split, src in self.data.items():
+            first = peek(src) if len(src) else None
+            if first is not None:
+                self.width = batch_width(first, f"`{split}` split's first batch")
+                return
 
-        # model
+    def _build_model(self, e, weights) -> None:
+        """Call ``build_model`` with a key from the seed; partition it once; warm-start if asked."""
         for hook in ("build_model", "forward"):
             if hook not in self.hooks:
                 raise TypeError(
                     f"jaxnitro: {type(e).__name__} has no `{hook}` hook; define it as a method "
                     f"(see jaxnitro.hookspecs.ExperimentSpec.{hook})."
                 )
-        progress.to("building model")
-        self.key = jax.random.PRNGKey(self.seed)
-        model_key, self.run_key = jax.random.split(self.key)
-        weights = kwargs.get("weights")
+        model_key, self.run_key = jax.random.split(jax.random.PRNGKey(self.seed))
         built = self.hooks["build_model"].function(e, model_key)
         # (model, eqx.nn.State) from eqx.nn.make_with_state; anything else is the model itself
         # (a tuple of modules is a valid model).
@@ -191,16 +221,15 @@ class Nitro:
         if weights is not None:
             self._warm_start(weights)
 
-        # Device values: converted once, placed once
-        self.device_values = {
-            name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
-            for name, info in fields_of(e).items()
-            if info.is_device
-        }
-
+    def _resolve_residency(self, e) -> None:
         residency = self.hooks["metrics_residency"].function
-        self.train_metrics_on_device = "train_metrics" in self.hooks
-        if self.train_metrics_on_device and residency(e, "train_metrics") != "device":
+        for hook in ("metrics", "train_metrics"):
+            where = residency(e, hook)
+            if where not in ("device", "host"):
+                raise ValueError(
+                    f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
+                )
+        if "train_metrics" in self.hooks and residency(e, "train_metrics") != "device":
             raise ValueError(
                 "jaxnitro: `train_metrics` runs traced in the gradient program; "
                 "metrics_residency('train_metrics') must be 'device'."
@@ -212,16 +241,9 @@ class Nitro:
                 "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
                 "`key` from `metrics`, or make it device-resident (metrics_residency -> 'device')."
             )
-        for hook in ("metrics", "train_metrics"):
-            where = residency(e, hook)
-            if where not in ("device", "host"):
-                raise ValueError(
-                    f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
-                )
-        self.programs = self._program_set()
 
-        # optimizer (only with a train split)
-        progress.to("building optimizer")
+    def _build_optimizer(self, e) -> None:
+        """Groups, rules and optimizer state (only with a train split); bind the schedules."""
         self.opt_spec = None
         self.opt_state = None
         if "train" in self.data:
@@ -237,26 +259,21 @@ class Nitro:
         group_names = tuple(g.name for g in self.opt_spec.groups) if self.opt_spec else ()
         device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
         self.bindings = bind_schedules(self.schedules, device_fields, group_names)
-        self.monitor = self._resolve_monitor()
-        if self.early_stop is not None and self.monitor is None:
+
+    def _check_early_stop(self, e) -> None:
+        if self.early_stop is None:
+            return
+        if self.monitor is None:
             raise ValueError(
                 f"jaxnitro: `early_stop` is set ({self.knobs['early_stop'].source}) but {type(e).__name__} "
                 f"has no `monitor` hook, so early stopping has no metric to watch. Define "
                 f"`def monitor(self): return ('<metric>', 'max' | 'min')`, or drop early_stop."
             )
-        if self.early_stop is not None and "val" not in self.data and "train" in self.data:
+        if "val" not in self.data and "train" in self.data:
             raise ValueError(
                 "jaxnitro: `early_stop` watches the `val` split's metrics, but the data has no `val` "
                 f"split (splits: {sorted(self.data)}). Return one from build_data, or drop early_stop."
             )
-        self.step = 0
-        self.epoch = 0
-        self.rows: list[dict] = []
-        self.run_dir: str | None = None
-        self.logger = None
-        self.status = "ready"
-        if kwargs.get("run_ref") is not None:
-            kwargs["run_ref"][:] = [self]
 
     # -- setup helpers ------------------------------------------------------------
 
