@@ -9,7 +9,6 @@ padding.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .batches import batch_width, pad_batch, slice_outputs

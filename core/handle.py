@@ -9,9 +9,7 @@ program compiles it.
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -24,9 +22,8 @@ import structlog
 from . import knobs as _knobs
 from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
-from .experiment import fields_of, is_experiment, summarize_value, to_device_value
+from .experiment import fields_of, is_experiment, to_device_value
 from .history import MetricHistory
-from .metrics import MetricAccumulator
 from .optim import build_optimizer_spec
 from .plugin_manager import resolve_hooks
 from .progress import SetupProgress
@@ -420,7 +417,6 @@ class Nitro:
             return predict_batch(self, batch)
         if isinstance(batch, (np.ndarray, jax.Array)) or hasattr(batch, "__array__"):
             fields = self.routes["forward"].fields
-            example = ", ".join(f"{f}=..." for f in fields) or "..."
             raise TypeError(
                 f"jaxnitro: `predict` takes a batch dict (or an iterable of them), not a bare "
                 f"{type(batch).__name__}: `forward` is routed by field name. Call it as "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .experiment import is_experiment
 from .hookspecs import EXPERIMENT_HOOKS
-from .knobs import SCALAR_KNOBS, accessor_of
+from .knobs import SCALAR_KNOBS
 
 __all__ = ["Snapshot", "set_config_report"]
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
-import pytest
 
 import jaxnitro as jn
 from jaxnitro import cache as jcache

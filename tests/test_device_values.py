@@ -5,7 +5,6 @@ says that a new ``Nitro`` is the answer."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

