@@ -2,11 +2,12 @@
 
 Per optimizer step the host does: take the next staged batch, dispatch
 ``accum - 1`` accumulate programs and one train-step program, and append the
-step's device-resident scalar vector (loss and ``train_metrics``) to a short
-list. Every ``READ_EVERY`` steps (and at each epoch's end) the list is fetched
-in one go; only then are train lines logged, divergence checked and progress
-advanced. The host therefore never waits on the device inside a stretch, and
-dispatch runs ahead of compute as in a hand-written ``jax.jit`` loop.
+step's device-resident scalar vector (loss and ``train_metrics``) to a list.
+A stretch of ``READ_EVERY`` steps is read once it has finished computing; only
+then are its train lines logged, divergence checked and progress advanced. The
+host never waits on the device inside an epoch, and a train-only run not even
+between epochs, so dispatch runs ahead of compute as in a hand-written
+``jax.jit`` loop.
 """
 
 from __future__ import annotations
@@ -161,133 +162,205 @@ def run_training(nitro) -> None:
 
 
 def _loop(nitro, progress: Progress) -> str:
-    train = nitro.data["train"]
-    accum = nitro.accum
-    steps_per_epoch = len(train) // accum
-    total = max(nitro.max_epochs * steps_per_epoch, 1)
-    scheds = _Schedules(nitro, total)
-    progs = nitro.programs
-    leaves, unflatten = jax.tree_util.tree_leaves, jax.tree_util.tree_unflatten
-    p_def = progs.param_def
-    s_def = progs.state_def
-    o_def = jax.tree_util.tree_structure(nitro.opt_state)
-    accumulate = progs.accumulate().jitted if accum > 1 else None
-    step_prog = progs.train_step(nitro.opt_spec, nitro.tx, o_def)
-    step_fn = step_prog.jitted
-    scale = jax.device_put(np.float32(1.0 / accum))
-    transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
-    if not is_addressable(unwrap(train)):
-        transfer = _width_checked(transfer, nitro.width)  # setup could not see its last batch
-    if any(nitro.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.routes):
-        transfer = _keyed(transfer, nitro.run_key, itertools.count(nitro.step * accum))
-    dev = nitro.device_values
-    early = nitro.early_stop
-    if early is not None and hasattr(early, "reset"):
-        early.reset()
-    log_every = nitro.log_every_n_steps
-    logged_sched = scheds.logged if nitro.autolog_schedules else {}
+    return _Run(nitro, progress).run()
 
-    def publish(p, s, o):
-        nitro.params, nitro.model_state, nitro.opt_state = unflatten(p_def, p), unflatten(s_def, s), unflatten(o_def, o)
 
-    for epoch in range(nitro.epoch + 1, nitro.max_epochs + 1):
-        nitro.epoch = epoch
-        first = step_prog.traces == 0
-        progress.phase_start(epoch, "train", "compiling train step" if first else None)
-        pending: list = []
-        losses: list[float] = []
-        wait = 0.0
-        t_epoch = time.perf_counter()
+class _Run:
+    """One ``train()``: the epoch loop, the per-step dispatch and the deferred reads.
+
+    Per-step scalars stay on the device in ``pending`` (one float32 vector per
+    optimizer step, oldest first) until read. An epoch's history row is
+    appended when its last step has been read: at once when the epoch is
+    validated (validation needs the epoch's final parameters anyway) or is the
+    last, otherwise during the next epoch, so a train-only run never makes the
+    device wait at an epoch boundary.
+    """
+
+    def __init__(self, nitro, progress: Progress):
+        self.nitro, self.progress = nitro, progress
+        train = nitro.data["train"]
+        self.train = train
+        self.accum = nitro.accum
+        self.steps_per_epoch = len(train) // self.accum
+        self.scheds = _Schedules(nitro, max(nitro.max_epochs * self.steps_per_epoch, 1))
+        progs = nitro.programs
+        self.o_def = jax.tree_util.tree_structure(nitro.opt_state)
+        self.accumulate = progs.accumulate().jitted if self.accum > 1 else None
+        self.step_prog = progs.train_step(nitro.opt_spec, nitro.tx, self.o_def)
+        self.scale = jax.device_put(np.float32(1.0 / self.accum))
+        transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
+        if not is_addressable(unwrap(train)):
+            transfer = _width_checked(transfer, nitro.width)  # setup could not see its last batch
+        if any(nitro.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.routes):
+            transfer = _keyed(transfer, nitro.run_key, itertools.count(nitro.step * self.accum))
+        self.transfer = transfer
+        self.log = logger_verb(nitro, "log_metrics")
+        self.logged_sched = self.scheds.logged if nitro.autolog_schedules else {}
+        self.pending: list = []
+        self.first_unread = nitro.step + 1  # the step number of pending[0]
+        self.epoch_ends: list[tuple[int, int]] = []  # (epoch, its last step), rows not yet appended
+        self.losses: list[float] = []  # read losses of the oldest epoch without a row
+        if nitro.early_stop is not None and hasattr(nitro.early_stop, "reset"):
+            nitro.early_stop.reset()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self) -> str:
+        nitro = self.nitro
+        validate = "val" in nitro.data
+        for epoch in range(nitro.epoch + 1, nitro.max_epochs + 1):
+            nitro.epoch = epoch
+            self.progress.phase_start(epoch, "train", "compiling train step" if self.step_prog.traces == 0 else None)
+            if self.train_epoch(epoch) or (
+                (validate or epoch == nitro.max_epochs) and self.read(wait=True)
+            ):
+                return self.diverged()
+            if validate and self.validate(epoch):
+                return "done"  # early stopping
+            self.progress.advance(1.0)
+        return "done"
+
+    def train_epoch(self, epoch: int) -> bool:
+        """Dispatch one epoch's steps; True if a read found a non-finite loss."""
+        nitro, scheds, accumulate = self.nitro, self.scheds, self.accumulate
+        step_fn, scale, dev = self.step_prog.jitted, self.scale, nitro.device_values
+        leaves = jax.tree_util.tree_leaves
         params, mstate, opt_state = leaves(nitro.params), leaves(nitro.model_state), leaves(nitro.opt_state)
-        acc = None
-        micro = 0
-        step = epoch_start = nitro.step
-        diverged = False
-        stream = train.epoch(epoch, transfer)
+        acc, micro, step = None, 0, nitro.step
+        epoch_start, wait, diverged = step, 0.0, False
+        t_epoch = t0 = time.perf_counter()
+        stream = self.train.epoch(epoch, self.transfer)
         try:
-            t0 = time.perf_counter()
             for batch in stream:
                 wait += time.perf_counter() - t0
-                if micro < accum - 1:
+                if micro < self.accum - 1:
                     acc, mstate = accumulate(params, mstate, scheds.dev(dev, step), batch, acc)
                     micro += 1
                 else:
                     params, mstate, opt_state, aux = step_fn(
-                        params, mstate, opt_state, scheds.dev(dev, step), batch, acc, scale,
-                        scheds.hypers(step),
+                        params, mstate, opt_state, scheds.dev(dev, step), batch, acc, scale, scheds.hypers(step)
                     )
                     acc, micro = None, 0
                     step += 1
-                    pending.append(aux)
-                    # Read a stretch of steps only once its last one has finished computing:
-                    # waiting on the device here would make the host spin instead of
-                    # dispatching (on a CPU backend it would take a core from the compute).
-                    if len(pending) >= READ_EVERY and (
-                        pending[READ_EVERY - 1].is_ready() or len(pending) >= MAX_PENDING
-                    ):
-                        ready, pending = pending[:READ_EVERY], pending[READ_EVERY:]
-                        diverged = _drain(
-                            nitro, ready, step - len(pending), epoch, losses, step_prog, log_every, logged_sched
-                        )
-                        progress.advance((step - epoch_start) / steps_per_epoch)
+                    self.pending.append(aux)
+                    if len(self.pending) >= READ_EVERY:
+                        diverged = self.read(wait=False)
+                        self.progress.advance((step - epoch_start) / self.steps_per_epoch)
                         if diverged:
                             break
                 t0 = time.perf_counter()
         finally:
             stream.close()
-            publish(params, mstate, opt_state)
-        nitro.step = step
-        while pending and not diverged:
-            # Process each finished stretch while the device computes the rest; poll with
-            # short sleeps rather than a blocking read, which on a CPU backend would keep a
-            # core busy that the computation we wait for needs.
-            done = 0
+            self.publish(params, mstate, opt_state)
+            nitro.step = step
+        self.epoch_ends.append((epoch, step))
+        if self.first_unread > step:  # its last step was already read during the epoch
+            self._close_epoch()
+        elapsed = time.perf_counter() - t_epoch
+        logger_call(nitro, "log_metrics", {"data_wait_frac": wait / elapsed if elapsed else 0.0},
+                    step=step, epoch=epoch, context="data")
+        return diverged
+
+    def publish(self, p, s, o) -> None:
+        unflatten, progs = jax.tree_util.tree_unflatten, self.nitro.programs
+        self.nitro.params = unflatten(progs.param_def, p)
+        self.nitro.model_state = unflatten(progs.state_def, s)
+        self.nitro.opt_state = unflatten(self.o_def, o)
+
+    # -- reading per-step scalars -----------------------------------------------------------
+
+    def read(self, wait: bool) -> bool:
+        """Read finished steps; True on a non-finite loss.
+
+        ``wait=False``: read the oldest ``READ_EVERY`` steps if they have finished
+        (or, if the device is ``MAX_PENDING`` steps behind, wait for them): the host
+        never blocks mid-epoch. ``wait=True``: read every pending step, processing
+        each finished stretch while the device computes the rest, and polling with
+        short sleeps rather than a blocking read, which on a CPU backend would keep
+        busy a core the computation needs.
+        """
+        if not wait:
+            if not (self.pending[READ_EVERY - 1].is_ready() or len(self.pending) >= MAX_PENDING):
+                return False
+            return self._process(READ_EVERY)
+        while self.pending:
+            pending, done = self.pending, 0
             while done < len(pending) and pending[done].is_ready():
                 done += 1
             if done == 0:
                 time.sleep(0.0002)
-                continue
-            ready, pending = pending[:done], pending[done:]
-            diverged = _drain(nitro, ready, step - len(pending), epoch, losses, step_prog, log_every, logged_sched)
-        elapsed = time.perf_counter() - t_epoch
-        logger_call(nitro, "log_metrics", {"data_wait_frac": wait / elapsed if elapsed else 0.0},
-                    step=step, epoch=epoch, context="data")
-        train_loss = float(np.mean(losses)) if losses else float("nan")
-        if diverged:
-            nitro.stop_reason = f"non-finite loss at step {nitro.diverged_step}"
-            warnings.warn(
-                f"jaxnitro: the loss became non-finite at step {nitro.diverged_step} (epoch {epoch}); "
-                f"the run stopped with status 'diverged'. Lower the learning rate, add "
-                f"gradient_clip_norm, or check the loss for log(0) / overflow.",
-                RuntimeWarning,
-                stacklevel=4,
+            elif self._process(done):
+                return True
+        return False
+
+    def _process(self, n: int) -> bool:
+        """Fetch the oldest ``n`` pending vectors; log train lines; append finished epochs' rows."""
+        nitro = self.nitro
+        ready, self.pending = self.pending[:n], self.pending[n:]
+        values = np.stack([np.asarray(a) for a in ready]).tolist()  # ~10x cheaper than device_get
+        names = self.step_prog.meta.get("aux_names", ("loss",))
+        log, log_every, check = self.log, nitro.log_every_n_steps, nitro.check_divergence
+        for row in values:
+            s = self.first_unread
+            self.first_unread += 1
+            epoch = self.epoch_ends[0][0] if self.epoch_ends else nitro.epoch
+            loss = row[0]
+            if check and not math.isfinite(loss):
+                nitro.diverged_step, nitro.diverged_epoch = s, epoch
+                return True
+            self.losses.append(loss)
+            if log is not None and s % log_every == 0:
+                line = dict(zip(names, row))
+                for key, table in self.logged_sched.items():
+                    line[key] = float(table[min(s - 1, len(table) - 1)])
+                log(line, step=s, epoch=epoch, context="train")
+            if self.epoch_ends and s == self.epoch_ends[0][1]:
+                self._close_epoch()
+        return False
+
+    def _close_epoch(self) -> None:
+        """Append the history row of the oldest finished epoch whose steps have all been read."""
+        epoch, last = self.epoch_ends.pop(0)
+        self.nitro.rows.append({"epoch": epoch, "step": last, "train_loss": float(np.mean(self.losses))})
+        self.losses = []
+
+    # -- epoch end ----------------------------------------------------------------------------
+
+    def diverged(self) -> str:
+        nitro = self.nitro
+        nitro.stop_reason = f"non-finite loss at step {nitro.diverged_step}"
+        warnings.warn(
+            f"jaxnitro: the loss became non-finite at step {nitro.diverged_step} (epoch "
+            f"{nitro.diverged_epoch}); the run stopped with status 'diverged'. Lower the learning "
+            f"rate, add gradient_clip_norm, or check the loss for log(0) / overflow.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        train_loss = float(np.mean(self.losses)) if self.losses else float("nan")
+        nitro.rows.append({"epoch": nitro.diverged_epoch, "step": nitro.diverged_step, "train_loss": train_loss})
+        return "diverged"
+
+    def validate(self, epoch: int) -> bool:
+        """Validate the epoch, merge its metrics into its row; True if early stopping fires."""
+        nitro = self.nitro
+        forward_compiles = nitro.programs.forward().traces == 0
+        self.progress.phase_start(epoch, "validate", "compiling forward" if forward_compiles else None)
+        metrics = evaluate_split(nitro, "val", log_context="validate")
+        nitro.rows[-1].update(metrics)
+        if nitro.monitor is None:
+            return False
+        name, mode = nitro.monitor
+        if name not in metrics:
+            raise KeyError(
+                f"jaxnitro: `monitor` names {name!r}, but the validation metrics are "
+                f"{sorted(metrics)} (what finalize_metrics returned). Return it from "
+                f"`finalize_metrics`/`metrics`, or monitor one of those."
             )
-            nitro.rows.append({"epoch": epoch, "step": step, "train_loss": train_loss})
-            return "diverged"
-        row = {"epoch": epoch, "step": step, "train_loss": train_loss}
-        stop = False
-        if "val" in nitro.data:
-            progress.phase_start(epoch, "validate", "compiling forward" if nitro.programs.forward().traces == 0 else None)
-            metrics = evaluate_split(nitro, "val", log_context="validate")
-            row.update(metrics)
-            if nitro.monitor is not None:
-                name, mode = nitro.monitor
-                if name not in metrics:
-                    raise KeyError(
-                        f"jaxnitro: `monitor` names {name!r}, but the validation metrics are "
-                        f"{sorted(metrics)} (what finalize_metrics returned). Return it from "
-                        f"`finalize_metrics`/`metrics`, or monitor one of those."
-                    )
-                if early is not None and early.should_stop(epoch, metrics[name], mode):
-                    stop = True
-                    nitro.stop_reason = (
-                        f"early stopping: {name} did not improve for {getattr(early, 'patience', '?')} epochs"
-                    )
-        nitro.rows.append(row)
-        progress.advance(1.0)
-        if stop:
-            return "done"
-    return "done"
+        early = nitro.early_stop
+        if early is not None and early.should_stop(epoch, metrics[name], mode):
+            nitro.stop_reason = f"early stopping: {name} did not improve for {getattr(early, 'patience', '?')} epochs"
+            return True
+        return False
 
 
 def _keyed(transfer, key_data, counter):
@@ -317,30 +390,3 @@ def _width_checked(transfer, width: int):
         return transfer(batch)
 
     return checked
-
-
-def _drain(nitro, pending, step, epoch, losses, step_prog, log_every, logged_sched) -> bool:
-    """Fetch pending per-step scalars, log train lines, and report divergence (True).
-
-    ``pending`` holds the device vectors ``[loss, *train_metrics]`` of the steps
-    ending at ``step``. ``np.asarray`` per array is ~10x cheaper than one
-    ``jax.device_get`` of the list.
-    """
-    rows = np.stack([np.asarray(a) for a in pending]).tolist()
-    names = step_prog.meta.get("aux_names", ("loss",))
-    first_step = step - len(rows) + 1
-    log = logger_verb(nitro, "log_metrics")
-    check = nitro.check_divergence
-    for i, row in enumerate(rows):
-        s = first_step + i
-        loss = row[0]
-        if check and not math.isfinite(loss):
-            nitro.diverged_step = s
-            return True
-        losses.append(loss)
-        if log is not None and s % log_every == 0:
-            line = dict(zip(names, row))
-            for key, table in logged_sched.items():
-                line[key] = float(table[min(s - 1, len(table) - 1)])
-            log(line, step=s, epoch=epoch, context="train")
-    return False

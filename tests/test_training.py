@@ -388,3 +388,22 @@ def test_logger_info_and_backend(tmp_path):
     assert jn.logger_info(Wrapper()) == {"backend": "Wrapper"}
     with pytest.raises(ValueError, match="logger=None"):
         jn.logger_info(jn.Nitro(Tiny(), run_dir=tmp_path, logger=None))
+
+
+@pytest.mark.parametrize("read_every", [32, 4, 1])
+def test_train_only_rows_are_complete_and_match_the_train_lines(tmp_path, monkeypatch, read_every):
+    """Without a val split, epoch rows are appended as their steps are read (possibly during
+    the next epoch); every epoch still gets exactly its row, with its own steps' mean loss.
+    Small read stretches make reads cross epoch boundaries mid-epoch."""
+    import jaxnitro.trainer as trainer
+
+    monkeypatch.setattr(trainer, "READ_EVERY", read_every)
+    monkeypatch.setattr(trainer, "MAX_PENDING", 4 * read_every)
+    n = jn.train(Tiny(max_epochs=3), data={"train": tiny_data()["train"]}, run_dir=tmp_path)
+    rows = n.history().rows
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 6), (2, 12), (3, 18)]
+    lines = train_lines(n)
+    assert [line["step"] for line in lines] == list(range(1, 19))
+    for r in rows:
+        losses = [line["loss"] for line in lines if line["epoch"] == r["epoch"]]
+        assert len(losses) == 6 and r["train_loss"] == pytest.approx(np.mean(losses))
