@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from .optim import HYPERS
 
-__all__ = ["Bindings", "bind_schedules", "materialize"]
+__all__ = ["Bindings", "StepValues", "bind_schedules", "materialize"]
 
 
 @dataclass
@@ -139,3 +140,56 @@ def materialize(factory, total: int, name: str) -> np.ndarray:
     except Exception:
         pass
     return np.asarray([float(schedule(int(s))) for s in steps], dtype=np.float32)
+
+
+class StepValues:
+    """The per-step inputs of a run: the optimizer hyperparameter vector and scheduled Device fields.
+
+    Every bound schedule is materialized once for the run's ``total`` optimizer
+    steps. ``hypers(step)`` is one float32 vector (a device constant when no
+    optimizer value is scheduled); ``dev(base, step)`` is the Device values with
+    scheduled fields replaced. ``logged`` maps ``schedule/<group>/<hyper>`` and
+    ``schedule/<field>`` to the tables of the schedules that vary.
+    """
+
+    def __init__(self, nitro, total: int):
+        spec = nitro.opt_spec
+        self.layout = spec.layout
+        base = spec.base_vector(nitro.base_lr)
+        self.constant = not nitro.bindings.opt
+        self.logged: dict[str, np.ndarray] = {}
+        if self.constant:
+            self.vector = jax.device_put(base)
+        else:
+            table = np.tile(base, (total, 1))
+            bare = {h: materialize(f, total, f"opt/{h}") for (g, h), f in nitro.bindings.opt.items() if g is None}
+            for i, (group, hyper) in enumerate(self.layout.slots):
+                gspec = next(x for x in spec.groups if x.name == group)
+                values = None
+                if (group, hyper) in nitro.bindings.opt:
+                    values = materialize(nitro.bindings.opt[(group, hyper)], total, f"opt/{group}/{hyper}")
+                elif hyper in bare:
+                    values = bare[hyper]
+                if values is not None:
+                    table[:, i] = values * gspec.ratio if hyper == "learning_rate" else values
+                    if values.min() != values.max():
+                        self.logged[f"schedule/{group}/{hyper}"] = table[:, i]
+            self.table = table
+        self.device = {}
+        for name, f in nitro.bindings.device.items():
+            dtype = nitro.device_values[name].dtype
+            values = materialize(f, total, f"device/{name}").astype(dtype)
+            self.device[name] = values
+            if values.min() != values.max():
+                self.logged[f"schedule/{name}"] = values
+
+    def hypers(self, step: int):
+        return self.vector if self.constant else self.table[min(step, len(self.table) - 1)]
+
+    def dev(self, base: dict, step: int) -> dict:
+        if not self.device:
+            return base
+        out = dict(base)
+        for name, values in self.device.items():
+            out[name] = values[min(step, len(values) - 1)]
+        return out

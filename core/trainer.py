@@ -29,7 +29,7 @@ from .plugin_manager import first_result
 from .prefetch import is_addressable
 from .routing import KEY_COUNT, KEY_DATA
 from .progress import Progress
-from .schedules import materialize
+from .schedules import StepValues
 from .show import binding_report_text, params_for_logger
 
 __all__ = ["run_training", "new_run_folder", "READ_EVERY"]
@@ -79,52 +79,6 @@ def make_logger(nitro, run_dir: str):
             )
         return made
     return spec
-
-
-class _Schedules:
-    """Per-step values: the optimizer hyperparameter vector and scheduled Device fields."""
-
-    def __init__(self, nitro, total: int):
-        spec = nitro.opt_spec
-        self.layout = spec.layout
-        base = spec.base_vector(nitro.base_lr)
-        self.constant = not nitro.bindings.opt
-        self.logged: dict[str, np.ndarray] = {}
-        if self.constant:
-            self.vector = jax.device_put(base)
-        else:
-            table = np.tile(base, (total, 1))
-            bare = {h: materialize(f, total, f"opt/{h}") for (g, h), f in nitro.bindings.opt.items() if g is None}
-            for i, (group, hyper) in enumerate(self.layout.slots):
-                gspec = next(x for x in spec.groups if x.name == group)
-                values = None
-                if (group, hyper) in nitro.bindings.opt:
-                    values = materialize(nitro.bindings.opt[(group, hyper)], total, f"opt/{group}/{hyper}")
-                elif hyper in bare:
-                    values = bare[hyper]
-                if values is not None:
-                    table[:, i] = values * gspec.ratio if hyper == "learning_rate" else values
-                    if values.min() != values.max():
-                        self.logged[f"schedule/{group}/{hyper}"] = table[:, i]
-            self.table = table
-        self.device = {}
-        for name, f in nitro.bindings.device.items():
-            dtype = nitro.device_values[name].dtype
-            values = materialize(f, total, f"device/{name}").astype(dtype)
-            self.device[name] = values
-            if values.min() != values.max():
-                self.logged[f"schedule/{name}"] = values
-
-    def hypers(self, step: int):
-        return self.vector if self.constant else self.table[min(step, len(self.table) - 1)]
-
-    def dev(self, base: dict, step: int) -> dict:
-        if not self.device:
-            return base
-        out = dict(base)
-        for name, values in self.device.items():
-            out[name] = values[min(step, len(values) - 1)]
-        return out
 
 
 def run_training(nitro) -> None:
@@ -182,7 +136,7 @@ class _Run:
         self.train = train
         self.accum = nitro.accum
         self.steps_per_epoch = len(train) // self.accum
-        self.scheds = _Schedules(nitro, max(nitro.max_epochs * self.steps_per_epoch, 1))
+        self.scheds = StepValues(nitro, max(nitro.max_epochs * self.steps_per_epoch, 1))
         progs = nitro.programs
         self.o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.accumulate = progs.accumulate().jitted if self.accum > 1 else None
