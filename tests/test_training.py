@@ -435,3 +435,24 @@ def test_a_fixed_seed_is_bitwise_reproducible_at_any_worker_count(tmp_path):
         results.append(leaves(n.params))
     for other in results[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_ctrl_c_finishes_the_log_as_interrupted_and_keeps_the_finished_epochs(tmp_path):
+    @jn.experiment
+    class Interrupted(Tiny):
+        def finalize_metrics(self, acc, split):
+            if len(self.calls) == 1:  # Ctrl-C during the second validation
+                raise KeyboardInterrupt
+            self.calls.append(split)
+            return acc
+
+        calls: list = jn.field(factory=list)
+
+    n = jn.Nitro(Interrupted(max_epochs=3), run_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        n.train()
+    assert n.status == "interrupted"
+    lines = lines_of(n)
+    assert (lines[-1]["kind"], lines[-1]["status"]) == ("finish", "interrupted")
+    assert [line["epoch"] for line in lines if line.get("context") == "validate"] == [1]
+    assert [r["epoch"] for r in n.history().rows][:1] == [1]
