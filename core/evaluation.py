@@ -88,67 +88,68 @@ def _check_width(nitro, n: int, what: str) -> None:
         )
 
 
+def _staged_for_forward(nitro, batch, hooks, what: str):
+    """``(n, width, inputs)``: the fields ``hooks`` take, padded to the compiled width, with
+    the key entries when one of them declares ``key``. Checks the batch's width."""
+    n = batch_width(batch, what)
+    _check_width(nitro, n, what)
+    w = nitro.width
+    inputs = {f: batch[f] for f in _device_fields(nitro, hooks) if f in batch}
+    if n < w:
+        inputs = pad_batch(inputs, w)
+    if any(nitro.routes[h].wants_key for h in hooks if h in nitro.routes):
+        inputs.update(eval_key_entries(nitro))
+    return n, w, inputs
+
+
 def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
-    """Run ``split`` through the forward program, reduce ``metrics``, finalize; optionally log."""
-    e = nitro.experiment
-    progs = nitro.programs
+    """Run ``split`` through the forward program, reduce ``metrics``, finalize; optionally log.
+
+    Each batch is padded to the compiled width and staged (by the split's
+    prefetcher) for the forward program; outputs and routed batch fields are
+    sliced back to the real rows before ``metrics`` sees them.
+    """
+    e, progs, dev = nitro.experiment, nitro.programs, nitro.device_values
     forward = progs.forward()
     device_metrics = nitro.metrics_on_device
     metrics_prog = progs.metrics() if device_metrics else None
     metrics_fn = nitro.hooks["metrics"].function if "metrics" in nitro.hooks else None
-    fwd_fields = _device_fields(nitro, ("forward",) + (("metrics",) if device_metrics else ()))
-    forward_only = _device_fields(nitro, ("forward",))  # the forward program's input, as in predict
-    if nitro.routes["forward"].wants_key:
-        forward_only += (KEY_DATA, KEY_COUNT)
-    to_device = jax.device_put if stages_on_device() else (lambda b: b)
-    wants_key = any(
-        nitro.routes[h].wants_key for h in ("forward",) + (("metrics",) if device_metrics else ()) if h in nitro.routes
+    staged_hooks = ("forward", "metrics") if device_metrics else ("forward",)
+    forward_fields = _device_fields(nitro, ("forward",)) + (
+        (KEY_DATA, KEY_COUNT) if nitro.routes["forward"].wants_key else ()
     )
-    width_holder = {}
+    to_device = jax.device_put if stages_on_device() else (lambda b: b)
 
     def stage(batch):
-        n = batch_width(batch, f"`{split}` split's batch")
-        _check_width(nitro, n, f"a batch of split `{split}`")
-        w = nitro.width
-        padded = pad_batch({f: batch[f] for f in fwd_fields if f in batch}, w) if n < w else batch
-        width_holder["w"] = w
-        staged = {f: padded[f] for f in fwd_fields if f in padded}
-        if wants_key:
-            staged.update(eval_key_entries(nitro))
-        return n, batch, to_device(staged)
+        n, w, inputs = _staged_for_forward(nitro, batch, staged_hooks, f"a batch of split `{split}`")
+        return n, w, batch, to_device(inputs)
 
     acc = MetricAccumulator()
-    dev = nitro.device_values
     first = True
-    for n, host_batch, dev_batch in nitro.data[split].epoch(0, stage):
+    for n, w, host_batch, inputs in nitro.data[split].epoch(0, stage):
         if first:
             for h in ("forward", "metrics" if metrics_fn is not None else "loss"):
                 if h in nitro.routes:
                     nitro.routes[h].check(host_batch.keys())
             first = False
-        fwd_batch = {f: dev_batch[f] for f in forward_only if f in dev_batch}
-        outputs = forward.jitted(nitro.params, nitro.model_state, dev, fwd_batch)
-        w = width_holder["w"]
+        # the forward program sees exactly forward's fields, as in predict: one program for both
+        outputs = forward.jitted(nitro.params, nitro.model_state, dev, {f: inputs[f] for f in forward_fields})
         if device_metrics:
-            out_n = slice_outputs(outputs, n, w)
-            fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in dev_batch.items()} if n < w else dev_batch
-            res = jax.device_get(metrics_prog.jitted(dev, out_n, fields))
+            fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()} if n < w else inputs
+            res = jax.device_get(metrics_prog.jitted(dev, slice_outputs(outputs, n, w), fields))
             modes = metrics_prog.meta["modes"]
             acc.add({k: (v, c if modes[k] == "count" else modes[k]) for k, (v, c) in res.items()})
-        else:
-            host_out = slice_outputs(jax.device_get(outputs), n, w)
-            if metrics_fn is not None:
-                acc.add(metrics_fn(e, host_out, **nitro.routes["metrics"].select(host_batch)))
-            elif "loss" in nitro.hooks:
-                loss_batch = host_batch
-                if nitro.routes["loss"].wants_key:
-                    loss_batch = {**host_batch, KEY: jax.random.fold_in(nitro.run_key, 0)}
-                value = nitro.hooks["loss"].function(
-                    progs.view(dev), host_out, **nitro.routes["loss"].select(loss_batch)
-                )
-                acc.add({"loss": (np.asarray(value), 1)})
-    result = acc.result()
-    final = nitro.hooks["finalize_metrics"].function(e, result, split)
+            continue
+        host_out = slice_outputs(jax.device_get(outputs), n, w)
+        if metrics_fn is not None:
+            acc.add(metrics_fn(e, host_out, **nitro.routes["metrics"].select(host_batch)))
+        elif "loss" in nitro.hooks:  # the default metric: the loss, count 1 (a mean over batches)
+            loss_batch = host_batch
+            if nitro.routes["loss"].wants_key:
+                loss_batch = {**host_batch, KEY: jax.random.fold_in(nitro.run_key, 0)}
+            value = nitro.hooks["loss"].function(progs.view(dev), host_out, **nitro.routes["loss"].select(loss_batch))
+            acc.add({"loss": (np.asarray(value), 1)})
+    final = nitro.hooks["finalize_metrics"].function(e, acc.result(), split)
     if not isinstance(final, dict):
         raise TypeError(
             f"jaxnitro: `finalize_metrics` returned {type(final).__name__}; it must return a dict "
@@ -163,14 +164,9 @@ def predict_batch(nitro, batch):
     """Forward one batch dict in inference mode; return host outputs sliced to the real rows."""
     route = nitro.routes["forward"]
     route.check(batch.keys())
-    fields = {f: np.asarray(batch[f]) for f in route.fields if f in batch}
-    n = batch_width(fields, "prediction batch")
-    _check_width(nitro, n, "the prediction batch")
-    w = nitro.width
-    padded = pad_batch(fields, w) if n < w else fields
-    if route.wants_key:
-        padded = {**padded, **eval_key_entries(nitro)}
+    host = {f: np.asarray(batch[f]) for f in route.fields if f in batch}  # only what forward takes
+    n, w, inputs = _staged_for_forward(nitro, host, ("forward",), "the prediction batch")
     outputs = nitro.programs.forward().jitted(
-        nitro.params, nitro.model_state, nitro.device_values, jax.device_put(padded)
+        nitro.params, nitro.model_state, nitro.device_values, jax.device_put(inputs)
     )
     return slice_outputs(jax.device_get(outputs), n, w)
