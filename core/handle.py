@@ -312,7 +312,6 @@ class Nitro:
             skeleton=self.skeleton,
             param_def=jax.tree_util.tree_structure(self.params),
             state_def=jax.tree_util.tree_structure(self.model_state),
-            device_metrics=self.metrics_on_device,
         )
 
     def _resolve_monitor(self):

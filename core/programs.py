@@ -125,7 +125,6 @@ class ProgramSet:
         skeleton: ModelSkeleton,
         param_def,
         state_def,
-        device_metrics: bool,
     ):
         self.cls = cls
         self.hooks = hooks
@@ -136,7 +135,6 @@ class ProgramSet:
         self.param_def = param_def
         self.state_def = state_def
         self.has_train_metrics = "train_metrics" in hooks
-        self.device_metrics = device_metrics
         self._base_key = (
             cls,
             tuple(sorted((k, stable_key(v)) for k, v in self.graph_values.items())),
