@@ -1,11 +1,11 @@
 """The module-level compile cache, shared by every handle in the process.
 
 Programs are ``jax.jit`` functions keyed by what changes the graph (hook
-code, GraphConst values, model structure, routing, ``accum`` for the gradient
-program, ``gradient_clip_norm`` and the optimizer rules for the optimizer
-program). Device values, seeds, run folders, epoch budgets, schedules,
-loggers and early stopping never enter a key: they are program inputs or host
-state.
+code, GraphConst values, model structure, routing; for the train step also the
+optimizer rules and groups and whether gradients are clipped; see
+:mod:`jaxnitro.programs`). Device values, seeds, run folders, epoch budgets,
+schedules, ``1/accum``, the clip threshold, loggers and early stopping never
+enter a key: they are program inputs or host state.
 
 ``cache_stats()`` is the witness: ``misses`` counts traces (each trace is
 one XLA compilation), ``hits`` counts the programs a handle found already in
@@ -27,7 +27,6 @@ import threading
 from typing import Callable, NamedTuple
 
 import jax
-import structlog
 
 __all__ = [
     "CacheStats",
@@ -39,8 +38,6 @@ __all__ = [
     "enable_persistent_cache",
     "CACHE_ENV",
 ]
-
-log = structlog.get_logger("jaxnitro")
 
 
 class CacheStats(NamedTuple):
@@ -60,10 +57,10 @@ _misses = 0
 class Program:
     """One cached program: a ``jax.jit`` function plus its trace bookkeeping.
 
-    ``kind`` names it in progress notes and reports (``"gradient"``,
-    ``"optimizer"``, ``"forward"``, ``"metrics"``). Call ``program(*args)``;
-    a call whose argument shapes/dtypes were seen before runs the compiled
-    executable, a new signature traces and compiles once (one miss).
+    ``kind`` names it (``"train_step"``, ``"accumulate"``, ``"forward"``,
+    ``"metrics"``). Call ``program.jitted(*args)``: a call whose argument
+    shapes/dtypes were seen before runs the compiled executable, a new
+    signature traces and compiles once (one miss).
     """
 
     def __init__(self, kind: str, fn: Callable, donate_argnums=(), meta: dict | None = None):
@@ -80,9 +77,6 @@ class Program:
             return fn(*args)
 
         self.jitted = jax.jit(traced, donate_argnums=donate_argnums)
-
-    def __call__(self, *args):
-        return self.jitted(*args)
 
 
 def stable_key(obj):

@@ -17,7 +17,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import structlog
 
 from . import knobs as _knobs
 from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
@@ -34,8 +33,6 @@ from .schedules import bind_schedules
 from .staleness import Snapshot
 
 __all__ = ["Nitro", "train"]
-
-log = structlog.get_logger("jaxnitro")
 
 _TRACED_HOOKS = ("forward", "loss", "train_metrics", "metrics")
 

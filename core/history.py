@@ -72,10 +72,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real)
 
 
-def _is_nan(value: Any) -> bool:
-    return isinstance(value, float) and math.isnan(value)
-
-
 def _fmt(value: Any) -> str:
     """One table cell: ints plain, floats with four decimals (scientific when tiny or huge)."""
     if isinstance(value, bool):

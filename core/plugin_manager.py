@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 import pluggy
-import structlog
 
 from . import hookspecs
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
@@ -31,8 +30,6 @@ __all__ = [
     "resolve_hooks",
     "reload_plugins",
 ]
-
-log = structlog.get_logger("jaxnitro")
 
 _EXTENSION_HOOKS = tuple(n for n in vars(hookspecs.ExtensionSpec) if not n.startswith("_"))
 
