@@ -23,25 +23,14 @@ case producer threads are for.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    from jaxnitro.prefetch import NoPrefetch, PrefetchIterator
-except ImportError:  # the package is not installed: load the module from the tree
-    _path = pathlib.Path(__file__).resolve().parents[1] / "core" / "prefetch.py"
-    _spec = importlib.util.spec_from_file_location("_jaxnitro_prefetch", _path)
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = _mod
-    _spec.loader.exec_module(_mod)
-    NoPrefetch, PrefetchIterator = _mod.NoPrefetch, _mod.PrefetchIterator
+from jaxnitro.prefetch import NoPrefetch, PrefetchIterator
 
 
 class ArraySource:

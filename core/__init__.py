@@ -1,22 +1,27 @@
 """jaxnitro: describe a JAX experiment once; get a fast, reproducible, instrumented run.
 
 The public API. See ``docs/`` and ``examples/mnist/mnist_tutorial.py``.
+
+The names below are the core's. Feature plugins add their own through the
+``jaxnitro_exports`` hook (``jn.EarlyStopping`` from the ``early_stopping``
+plugin, ``jn.set_config_report`` from ``staleness``); they are looked up on
+first use, so a disabled plugin's names are simply absent.
 """
 
 from __future__ import annotations
 
 from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enable_persistent_cache
+from .events import RunContext, StepStretch
 from .experiment import compile_view, experiment, field
 from .handle import Nitro, train
 from .history import MetricHistory
-from .logger_helpers import backend, logger_info
 from .hookspecs import hookimpl, hookspec
+from .knobs import Settings
+from .logger import backend, logger_info
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
 from .progress import progress_note, progress_reporter, with_progress_note
-from .staleness import set_config_report
-from .stopping import EarlyStopping
 
 __version__ = "0.1.0"
 
@@ -25,13 +30,15 @@ _enable_from_env()  # JAXNITRO_COMPILATION_CACHE=<folder>: opt in to JAX's persi
 __all__ = [
     "CacheStats",
     "Device",
-    "EarlyStopping",
     "GraphConst",
     "Host",
     "MetricHistory",
     "Nitro",
     "NoPrefetch",
     "PrefetchIterator",
+    "RunContext",
+    "Settings",
+    "StepStretch",
     "StrippedHost",
     "backend",
     "cache_stats",
@@ -48,7 +55,27 @@ __all__ = [
     "progress_note",
     "progress_reporter",
     "reload_plugins",
-    "set_config_report",
     "train",
     "with_progress_note",
 ]
+
+_looking_up: set[str] = set()
+
+
+def __getattr__(name: str):
+    """A name a plugin exports (``jaxnitro_exports``), e.g. ``jn.EarlyStopping``."""
+    if name.startswith("_") or name in _looking_up:  # dunders, and lookups while plugins load
+        raise AttributeError(f"module 'jaxnitro' has no attribute {name!r}")
+    from .exports import lookup
+
+    _looking_up.add(name)
+    try:
+        return lookup(name, set(__all__))
+    finally:
+        _looking_up.discard(name)
+
+
+def __dir__() -> list[str]:
+    from .exports import names
+
+    return sorted(set(globals()) | set(names(set(__all__))))

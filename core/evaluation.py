@@ -15,31 +15,7 @@ from .batches import batch_width, pad_batch, slice_outputs
 from .metrics import MetricAccumulator
 from .routing import KEY, KEY_COUNT, KEY_DATA
 
-__all__ = ["evaluate_split", "predict_batch", "make_transfer", "logger_call"]
-
-LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
-
-
-def logger_verb(nitro, verb: str):
-    """``nitro.logger.<verb>`` (None without a logger); a logger lacking the verb fails loudly."""
-    logger = nitro.logger
-    if logger is None:
-        return None
-    fn = getattr(logger, verb, None)
-    if fn is None:
-        raise AttributeError(
-            f"jaxnitro: the logger {type(logger).__name__} has no `{verb}` method. A logger is any "
-            f"object with the verbs the framework calls: {', '.join(LOGGER_VERBS)}. Add `{verb}` "
-            f"(or pass logger=None to disable logging)."
-        )
-    return fn
-
-
-def logger_call(nitro, verb: str, *args, **kwargs):
-    """Call ``nitro.logger.<verb>(*args, **kwargs)`` if there is a logger; see :func:`logger_verb`."""
-    fn = logger_verb(nitro, verb)
-    return None if fn is None else fn(*args, **kwargs)
-
+__all__ = ["evaluate_split", "predict_batch", "make_transfer"]
 
 def _device_fields(nitro, hooks) -> tuple[str, ...]:
     fields: list[str] = []
@@ -102,8 +78,8 @@ def _staged_for_forward(nitro, batch, hooks, what: str):
     return n, w, inputs
 
 
-def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
-    """Run ``split`` through the forward program, reduce ``metrics``, finalize; optionally log.
+def evaluate_split(nitro, split: str) -> dict:
+    """Run ``split`` through the forward program, reduce ``metrics``, finalize.
 
     Each batch is padded to the compiled width and staged (by the split's
     prefetcher) for the forward program; outputs and routed batch fields are
@@ -155,8 +131,6 @@ def evaluate_split(nitro, split: str, log_context: str | None = None) -> dict:
             f"jaxnitro: `finalize_metrics` returned {type(final).__name__}; it must return a dict "
             f"of metrics (it replaces the reduced metrics for the logger, history and early stopping)."
         )
-    if log_context is not None:
-        logger_call(nitro, "log_metrics", final, step=nitro.step, epoch=nitro.epoch, context=log_context)
     return final
 
 

@@ -30,7 +30,6 @@ __all__ = [
     "compile_view",
     "is_experiment",
     "make_view",
-    "describe_fields",
 ]
 
 field = attrs.field
@@ -308,23 +307,13 @@ def summarize_value(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def describe_fields(e) -> list[tuple[str, str, str, str]]:
-    """Rows ``(name, marker, value summary, doc)`` for an experiment instance."""
-    return [
-        (name, info.marker.name, summarize_value(getattr(e, name, None)), info.doc)
-        for name, info in fields_of(e).items()
-    ]
-
-
 def _experiment_repr(self) -> str:
-    from .report import text_table
+    from .describe import describe
 
-    rows = describe_fields(self)
-    return text_table(type(self).__name__, ("field", "marker", "value", "doc"), rows)
+    return describe(self, "text")
 
 
 def _experiment_repr_html(self) -> str:
-    from .report import html_table
+    from .describe import describe
 
-    rows = describe_fields(self)
-    return html_table(type(self).__name__, ("field", "marker", "value", "doc"), rows)
+    return describe(self, "html")

@@ -9,7 +9,7 @@ program compiles it.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -21,16 +21,17 @@ import numpy as np
 from . import knobs as _knobs
 from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
+from .describe import describe
+from .events import emit
 from .experiment import fields_of, is_experiment, to_device_value
 from .history import MetricHistory
+from .logger import check_logger_knob
 from .optim import build_optimizer_spec
-from .plugin_manager import resolve_hooks
-from .progress import SetupProgress
+from .plugin_manager import disabled_note, first_result, resolve_hooks
+from .progress import SetupSteps
 from .programs import ProgramSet, split_model
-from .report import Band, render_bands_html, render_bands_text
 from .routing import route_of
 from .schedules import bind_schedules
-from .staleness import Snapshot
 
 __all__ = ["Nitro", "train"]
 
@@ -62,7 +63,7 @@ class Nitro:
     """
 
     def __init__(self, experiment, **kwargs):
-        progress = SetupProgress()
+        progress = SetupSteps(experiment)
         ok = False
         try:
             self._setup(experiment, kwargs, progress)
@@ -70,7 +71,7 @@ class Nitro:
         finally:
             progress.close(ok)
 
-    def _setup(self, experiment, kwargs: dict, progress: SetupProgress) -> None:
+    def _setup(self, experiment, kwargs: dict, progress: SetupSteps) -> None:
         if not is_experiment(experiment) or isinstance(experiment, type):
             raise TypeError(
                 f"jaxnitro: Nitro takes an experiment instance (a class decorated with "
@@ -87,38 +88,24 @@ class Nitro:
         self.stop_reason: str | None = None
         e = experiment
         self.hooks = resolve_hooks(e, Defaults())
-        self.knobs = _knobs.resolve_knobs(e, kwargs)
-        k = {name: r.value for name, r in self.knobs.items()}
-        for unsupported in ("checkpointer", "ema"):
-            if k[unsupported] is not None:
-                raise NotImplementedError(
-                    f"jaxnitro: run knob `{unsupported}` is set ({self.knobs[unsupported].source}) but "
-                    f"checkpointing and EMA are not available in this version yet; remove it (or set "
-                    f"it to None) rather than have it silently ignored."
-                )
-        self._check_knobs(e, k)
-        self.seed = int(k["seed"])
-        self.accum = int(k["accum"])
-        self.max_epochs = int(k["max_epochs"])
-        self.run_dir_root = os.fspath(k["run_dir"])
-        self.gradient_clip_norm = float(k["gradient_clip_norm"] or 0.0)
-        self.check_divergence = bool(k["check_divergence"])
-        self.autolog_schedules = bool(k["autolog_schedules"])
-        self.log_every_n_steps = int(k["log_every_n_steps"])
-        self.logger_spec = k["logger"]
-        self.early_stop = k["early_stop"]
-        self.schedules = k["schedules"] or {}
-        self.n_devs = k["n_devs"]
-        if self.n_devs not in (None, 1):
+        knobs = _knobs.resolve_knobs(e, kwargs)
+        if knobs["ema"].value is not None:
+            raise NotImplementedError(
+                f"jaxnitro: run knob `ema` is set ({knobs['ema'].source}) but EMA is not available in "
+                f"this version yet; remove it (or set it to None) rather than have it silently ignored."
+            )
+        if knobs["n_devs"].value not in (None, 1):
             raise NotImplementedError(
                 "jaxnitro: n_devs > 1 (data parallel) is not available in this version yet; use "
                 "n_devs=1 or leave it unset."
             )
+        self.settings = _knobs.make_settings(
+            knobs, logger=check_logger_knob(knobs["logger"].value, knobs["logger"].source), monitor=None
+        )
 
         progress.to("building data")
         e = self._load_data(e, kwargs, progress)
         self.experiment = e
-        self._snapshot = Snapshot.take(self)
         progress.to("checking splits")
         self._check_splits()
         progress.to("building model")
@@ -133,20 +120,20 @@ class Nitro:
         self.programs = self._program_set()
         progress.to("building optimizer")
         self._build_optimizer(e)
-        self.monitor = self._resolve_monitor()
-        self._check_early_stop(e)
+        self.settings = dataclasses.replace(self.settings, monitor=self._resolve_monitor())
+        self._check_plugin_knobs()
         self.step = 0
         self.epoch = 0
         self.rows: list[dict] = []
         self.run_dir: str | None = None
-        self.logger = None
+        self.loggers: list = []
         self.status = "ready"
         if kwargs.get("run_ref") is not None:
             kwargs["run_ref"][:] = [self]
 
     # -- setup steps ----------------------------------------------------------------
 
-    def _load_data(self, e, kwargs: dict, progress: SetupProgress):
+    def _load_data(self, e, kwargs: dict, progress: SetupSteps):
         """Take ``data=`` or call ``build_data``; wrap each split; run ``derive``. Returns the
         experiment with the derived values merged (host values, before device conversion)."""
         if kwargs.get("data") is not None:
@@ -184,7 +171,7 @@ class Nitro:
         self.width: int | None = None
         self.batch_fields: tuple[str, ...] | None = None
         if "train" in self.data:
-            self.width = check_train_split(self.data["train"], self.accum)
+            self.width = check_train_split(self.data["train"], self.settings.accum)
             self._check_routes(peek(self.data["train"]), "train", ("forward", "loss", "train_metrics"))
             return
         for split, src in self.data.items():
@@ -199,9 +186,10 @@ class Nitro:
             if hook not in self.hooks:
                 raise TypeError(
                     f"jaxnitro: {type(e).__name__} has no `{hook}` hook; define it as a method "
-                    f"(see jaxnitro.hookspecs.ExperimentSpec.{hook})."
+                    f"(see jaxnitro.hookspecs.{hook})."
                 )
-        model_key, self.run_key = jax.random.split(jax.random.PRNGKey(self.seed))
+        seed = self.settings.seed
+        model_key, self.run_key = jax.random.split(jax.random.PRNGKey(seed))
         built = self.hooks["build_model"].function(e, model_key)
         # (model, eqx.nn.State) from eqx.nn.make_with_state; anything else is the model itself
         # (a tuple of modules is a valid model).
@@ -211,7 +199,7 @@ class Nitro:
             model, state = built, None
         self.params, self.skeleton = split_model(model)
         self.model_state = state
-        self.weights_from = "build_model (seed %d)" % self.seed
+        self.weights_from = "build_model (seed %d)" % seed
         if weights is not None:
             self._warm_start(weights)
 
@@ -246,44 +234,28 @@ class Nitro:
                     f"jaxnitro: {type(e).__name__} has a `train` split but no `loss` hook; define "
                     f"`def loss(self, outputs, *, <batch fields>) -> scalar`."
                 )
-            self.opt_spec = build_optimizer_spec(e, self.hooks, self.params, self.gradient_clip_norm)
+            self.opt_spec = build_optimizer_spec(e, self.hooks, self.params, self.settings.gradient_clip_norm)
             self.base_lr = float(self.hooks["learning_rate"].function(e))
             self.tx = self.opt_spec.transformation()
             self.opt_state = self.tx.init(self.params)
         group_names = tuple(g.name for g in self.opt_spec.groups) if self.opt_spec else ()
         device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
-        self.bindings = bind_schedules(self.schedules, device_fields, group_names)
+        self.bindings = bind_schedules(self.settings.schedules, device_fields, group_names)
 
-    def _check_early_stop(self, e) -> None:
-        if self.early_stop is None:
-            return
-        if self.monitor is None:
-            raise ValueError(
-                f"jaxnitro: `early_stop` is set ({self.knobs['early_stop'].source}) but {type(e).__name__} "
-                f"has no `monitor` hook, so early stopping has no metric to watch. Define "
-                f"`def monitor(self): return ('<metric>', 'max' | 'min')`, or drop early_stop."
-            )
-        if "val" not in self.data and "train" in self.data:
-            raise ValueError(
-                "jaxnitro: `early_stop` watches the `val` split's metrics, but the data has no `val` "
-                f"split (splits: {sorted(self.data)}). Return one from build_data, or drop early_stop."
-            )
+    def _check_plugin_knobs(self) -> None:
+        """Every knob the core does not act on, when set, must be accepted by a plugin."""
+        for name in _knobs.PLUGIN_KNOBS:
+            value = getattr(self.settings, name)
+            if value is None:
+                continue
+            if not first_result("jaxnitro_accept_knob", name=name, value=value, nitro=self):
+                raise ValueError(
+                    f"jaxnitro: run knob `{name}` is set ({self.settings.source(name)}) but no loaded "
+                    f"plugin acts on it{disabled_note()}, so it would be silently ignored. Install or "
+                    f"enable the plugin that provides it, or set `{name}=None`."
+                )
 
     # -- setup helpers ------------------------------------------------------------
-
-    def _check_knobs(self, e, k) -> None:
-        for name in ("accum", "max_epochs", "log_every_n_steps"):
-            v = k[name]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < (0 if name == "max_epochs" else 1):
-                raise ValueError(
-                    f"jaxnitro: run knob `{name}` = {v!r} ({self.knobs[name].source}); it must be "
-                    f"an integer >= {0 if name == 'max_epochs' else 1}."
-                )
-        if k["early_stop"] is not None and not callable(getattr(k["early_stop"], "should_stop", None)):
-            raise TypeError(
-                f"jaxnitro: `early_stop` = {k['early_stop']!r}; give a jn.EarlyStopping(patience=...) "
-                f"or an object with `should_stop(epoch, value, mode) -> bool`, or None."
-            )
 
     def _resolve_routes(self) -> None:
         self.routes = {h: route_of(h, self.hooks[h].function) for h in _TRACED_HOOKS if h in self.hooks}
@@ -358,7 +330,7 @@ class Nitro:
         exception or Ctrl-C the logger is finished with ``"failed"``/``"interrupted"``
         and the exception propagates.
         """
-        self._report_stale("train")
+        emit("jaxnitro_before_verb", nitro=self, verb="train")
         from .trainer import run_training
 
         if "train" not in self.data:
@@ -377,7 +349,7 @@ class Nitro:
 
     def validate(self) -> dict:
         """Evaluate the ``val`` split; return what ``finalize_metrics`` returned."""
-        self._report_stale("validate")
+        emit("jaxnitro_before_verb", nitro=self, verb="validate")
         return self._evaluate("val")
 
     def evaluate(self, split: str = "test") -> dict:
@@ -385,7 +357,7 @@ class Nitro:
 
         Raises ``KeyError`` naming the known splits for an unknown one.
         """
-        self._report_stale("evaluate")
+        emit("jaxnitro_before_verb", nitro=self, verb="evaluate")
         return self._evaluate(split)
 
     def _evaluate(self, split: str) -> dict:
@@ -406,7 +378,7 @@ class Nitro:
         A batch narrower than the compiled width is padded and sliced back; a
         wider one is an error. A bare array is a ``TypeError``.
         """
-        self._report_stale("predict")
+        emit("jaxnitro_before_verb", nitro=self, verb="predict")
         from .evaluation import predict_batch
 
         if isinstance(batch, Mapping):
@@ -429,10 +401,10 @@ class Nitro:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics)."""
         return MetricHistory(
             self.rows,
-            monitor=self.monitor,
+            monitor=self.settings.monitor,
             title=f"history of {type(self.experiment).__name__}",
             run_dir=self.run_dir,
-            total_epochs=self.max_epochs,
+            total_epochs=self.settings.max_epochs,
         )
 
     def release(self) -> None:
@@ -471,28 +443,19 @@ class Nitro:
 
         return get_device_value(self, name)
 
-    # -- staleness -------------------------------------------------------------------------
-
-    def _report_stale(self, verb: str) -> None:
-        self._snapshot.report(self, verb)
-
     # -- display -----------------------------------------------------------------------------
 
-    def bands(self) -> list[Band]:
-        from .show import handle_bands
-
-        return handle_bands(self)
+    @property
+    def logger(self):
+        """The run's logger (the first, when there are several); None before ``train()`` or with
+        logging off. ``nitro.loggers`` lists them all."""
+        return self.loggers[0] if self.loggers else None
 
     def __repr__(self) -> str:
-        from .show import handle_title
-
-        return handle_title(self) + "\n" + render_bands_text(self.bands())
+        return describe(self, "text")
 
     def _repr_html_(self) -> str:
-        from .show import handle_title
-        import html
-
-        return f"<pre>{html.escape(handle_title(self))}</pre>" + render_bands_html(self.bands())
+        return describe(self, "html")
 
 
 def train(experiment, **kwargs) -> Nitro:

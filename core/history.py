@@ -16,37 +16,42 @@ The history is data first and a display second::
     h.macro_recall              # one column as a NumPy array
     h.to_pandas(); h.to_csv("run.csv")
 
-Printed, it is a framed table sized to the terminal that keeps the first, best
-and last epochs when it has to drop rows, and stars the best epoch. In a
-notebook it renders as an HTML table with every row.
+This module is the data model only. Displaying and exporting a history
+(``str(h)``, ``h.table()``, ``_repr_html_``, ``to_csv``, ``to_pandas``) goes
+through the extension hook ``jaxnitro_render_history(history, format,
+options)`` with ``format`` ``"text"``, ``"html"``, ``"csv"`` or ``"pandas"``:
+the first plugin that answers renders it. The built-in plugin
+``history_table`` answers all four (a framed table sized to the terminal that
+keeps the first, best and last epochs and stars the best one; an HTML table
+with every row; CSV; a DataFrame); an installed plugin answering the same
+format wins over it. A renderer reads the history through its public API only.
 
-This module depends on NumPy only; pandas is imported when ``to_pandas`` is
-called.
+When no plugin answers (``JAXNITRO_DISABLE_PLUGINS=history_table``, say),
+``table``, ``to_csv`` and ``to_pandas`` raise ``RuntimeError`` naming the
+missing format, while ``str``, ``repr`` and ``_repr_html_`` never raise: they
+show a one-line summary (epochs, columns, best epoch).
+
+This module depends on NumPy and the plugin manager only.
 """
 
 from __future__ import annotations
 
-import csv
 import html
 import keyword
 import math
 import numbers
 import os
-import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from .plugin_manager import disabled_note, first_result
+
 __all__ = ["MetricHistory"]
 
 _FIXED = ("epoch", "step", "train_loss")
 _MODES = ("max", "min")
-# Lines of a printed table that are not body rows: title, three rules, header
-# and up to four footers. The rest of the terminal's height holds rows.
-_CHROME_LINES = 9
-_MIN_BODY_ROWS = 5  # first, gap, best, gap, last
-_GAP = "⋮"
 
 
 # --------------------------------------------------------------------------
@@ -72,24 +77,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real)
 
 
-def _fmt(value: Any) -> str:
-    """One table cell: ints plain, floats with four decimals (scientific when tiny or huge)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, numbers.Integral):
-        return str(int(value))
-    if isinstance(value, numbers.Real):
-        x = float(value)
-        if math.isnan(x):
-            return "nan"
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        if x == 0 or 1e-3 <= abs(x) < 1e6:
-            return f"{x:.4f}"
-        return f"{x:.3e}"
-    return str(value)
-
-
 def _as_int(value: Any, key: str, position: int) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
@@ -99,46 +86,6 @@ def _as_int(value: Any, key: str, position: int) -> int:
         f"MetricHistory: row {position} has {key}={value!r}; `{key}` must be an integer "
         f"(the {'epoch number' if key == 'epoch' else 'optimizer steps taken so far'})."
     )
-
-
-# --------------------------------------------------------------------------
-# thinning
-
-
-def _layout_cost(kept: set[int], n: int) -> int:
-    """Body lines needed to show positions ``kept`` of ``n``: one per row, one per gap."""
-    order = sorted(kept)
-    gaps = (order[0] > 0) + (order[-1] < n - 1)
-    gaps += sum(1 for a, b in zip(order, order[1:]) if b - a > 1)
-    return len(order) + gaps
-
-
-def _thin(n: int, best: int | None, budget: int) -> list[int]:
-    """Positions to show when ``n`` rows must fit in ``budget`` body lines.
-
-    The first row, the best row and the last row are always kept. Then blocks
-    grow around each of them in turn (head, tail, both sides of the best), a
-    row at a time, while the rows plus one ``⋮`` line per gap fit the budget. A
-    row that closes a one-row gap costs nothing and is always taken.
-    """
-    if n <= budget:
-        return list(range(n))
-    anchors = [0, n - 1] + ([best] if best is not None else [])
-    kept = set(anchors)
-    b = best if best is not None else 0
-    candidates: list[int] = []
-    for k in range(1, n):
-        candidates += [k, n - 1 - k]
-        if best is not None:
-            candidates += [b - k, b + k]
-    for p in candidates:
-        if _layout_cost(kept, n) >= budget:
-            break
-        if 0 <= p < n and p not in kept and _layout_cost(kept | {p}, n) <= budget:
-            kept.add(p)
-    # A row between two kept rows replaces its own gap line: free.
-    kept.update([p + 1 for p in list(kept) if p + 2 in kept and p + 1 not in kept])
-    return sorted(kept)
 
 
 # --------------------------------------------------------------------------
@@ -196,11 +143,14 @@ class MetricHistory:
       that are not identifiers or collide with a method). Array columns whose
       values share a shape are stacked, ``(len(h), *shape)``; otherwise an
       object array of length ``len(h)``.
-    - ``h.columns``, ``h.rows``, ``len(h)``, ``iter(h)`` (row dicts),
-      ``h.best`` / ``h.best_epoch``.
+    - ``h.columns``, ``h.scalar_columns``, ``h.rows``, ``len(h)``,
+      ``iter(h)`` (row dicts), ``h.best`` / ``h.best_epoch`` /
+      ``h.best_position``.
 
     **Output.** ``str(h)`` / ``repr(h)`` is :meth:`table` at the terminal's
     size; ``_repr_html_`` shows every row; :meth:`to_pandas`, :meth:`to_csv`.
+    All of them are rendered by a plugin through the hook
+    ``jaxnitro_render_history`` (the built-in one is ``history_table``).
     """
 
     __slots__ = (
@@ -353,6 +303,16 @@ class MetricHistory:
         return list(self._columns)
 
     @property
+    def scalar_columns(self) -> list[str]:
+        """The columns whose every value is a real number, in display order.
+
+        ``epoch``, ``step`` and ``train_loss`` always; a metric column with an
+        array or a string anywhere is not scalar. These are the columns a table
+        or a CSV can show; the others are reachable with :meth:`column`.
+        """
+        return [c for c in self._columns if self._scalar[c]]
+
+    @property
     def rows(self) -> list[dict[str, Any]]:
         """Every row as a fresh dict (arrays copied), in epoch order."""
         return [self._copy_row(r) for r in self._rows]
@@ -391,6 +351,26 @@ class MetricHistory:
     def best_epoch(self) -> int | None:
         """The epoch label of :attr:`best`, or ``None``."""
         return None if self._best is None else self._rows[self._best]["epoch"]
+
+    @property
+    def best_position(self) -> int | None:
+        """The position of :attr:`best` among the rows (``h[h.best_position]``), or ``None``."""
+        return self._best
+
+    @classmethod
+    def reads_as_attribute(cls, name: str) -> bool:
+        """Whether a column called ``name`` reads as ``h.<name>``.
+
+        True for identifiers that are not keywords, do not start with ``_``
+        and are not names of this class; other columns read as
+        ``h.column(name)``.
+        """
+        return (
+            name.isidentifier()
+            and not keyword.iskeyword(name)
+            and not name.startswith("_")
+            and not hasattr(cls, name)
+        )
 
     @staticmethod
     def _copy_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -512,224 +492,92 @@ class MetricHistory:
 
     def __dir__(self) -> list[str]:
         names = set(super().__dir__())
-        names.update(c for c in self._columns if _attr_name_ok(c))
+        names.update(c for c in self._columns if self.reads_as_attribute(c))
         return sorted(names)
 
-    # -- conversion ----------------------------------------------------------------
+    # -- output: rendered by plugins ---------------------------------------------
 
-    def to_pandas(self):
-        """A ``pandas.DataFrame`` indexed by ``epoch`` with every other column.
+    def _render(self, format: str, **options: Any) -> Any:
+        """The first plugin's answer to ``jaxnitro_render_history`` for ``format``, or ``None``."""
+        return first_result("jaxnitro_render_history", history=self, format=format, options=options)
 
-        Scalar columns keep their NumPy dtype (int for ``step``; float where a
-        value is NaN); array columns are ``object`` columns holding one array
-        per row. Needs pandas (``pip install pandas``).
-        """
-        try:
-            import pandas as pd
-        except ImportError as error:
-            raise ImportError(
-                "MetricHistory.to_pandas() needs pandas, which is not installed; "
-                "install it with `pip install pandas` (or use h.to_csv(path) / h.rows)."
-            ) from error
-        index = pd.Index(self.column("epoch"), name="epoch")
-        data: dict[str, Any] = {}
-        for c in self._columns[1:]:
-            if self._scalar[c]:
-                data[c] = self.column(c)
-            else:
-                values = np.empty(len(self._rows), dtype=object)
-                for i, r in enumerate(self._rows):
-                    values[i] = r[c].copy() if isinstance(r[c], np.ndarray) else r[c]
-                data[c] = pd.Series(values, index=index, dtype=object)
-        return pd.DataFrame(data, index=index, columns=self._columns[1:])
+    def _render_or_raise(self, format: str, caller: str, **options: Any) -> Any:
+        """:meth:`_render`, raising ``RuntimeError`` (for ``h.<caller>``) when no plugin answers."""
+        rendered = self._render(format, **options)
+        if rendered is None:
+            raise RuntimeError(
+                f"MetricHistory.{caller}: no plugin renders histories as {format!r}. The "
+                "built-in plugin `history_table` (entry point `history_table` in group "
+                "`jaxnitro`) provides it, and it is not loaded" + disabled_note() + ". Re-enable "
+                "or reinstall it, or register a plugin implementing `jaxnitro_render_history`."
+            )
+        return rendered
 
-    def to_csv(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
-        """Write the scalar columns to ``path`` as CSV (header row first); returns ``path``.
-
-        Array columns are left out (a CSV cell cannot hold one; reach them as
-        ``h.name``). Floats are written with full precision, NaN as ``nan``.
-        Needs no pandas.
-        """
-        columns = [c for c in self._columns if self._scalar[c]]
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(columns)
-            for r in self._rows:
-                writer.writerow([_csv_cell(r[c]) for c in columns])
-        return path
-
-    # -- display -----------------------------------------------------------------
-
-    def _title_line(self, shown: int | None = None) -> str:
+    def _summary(self, note: str) -> str:
+        """One plain line (epochs, columns, best epoch, ``note``), shown when no plugin renders."""
         n = len(self._rows)
-        parts = []
-        if self._run_dir:
-            parts.append(self._run_dir)
-        epochs = "epoch" if n == 1 else "epochs"
-        thinned = shown is not None and shown < n
-        parts.append(f"{shown} of {n} {epochs}" if thinned else f"{n} {epochs}")
-        if self._total_epochs is not None:
-            parts.append(f"{self._total_epochs} planned")
-        return f"{self._title}  ({', '.join(parts)})"
-
-    def _empty_line(self) -> str:
-        where = f"{self._run_dir}, " if self._run_dir else ""
-        resumed = self._resumed_from
-        tail = f"; resumed from epoch {resumed}" if resumed is not None else ""
-        return f"{self._title}  ({where}no epochs yet{tail})"
-
-    def _reach(self, name: str) -> str:
-        return f"h.{name}" if _attr_name_ok(name) else f"h.column({name!r})"
-
-    def _common_footers(self) -> list[str]:
-        """Footer lines shared by the text and HTML views (best, arrays, resume)."""
-        lines = []
+        where = f" ({self._run_dir})" if self._run_dir else ""
+        epochs = "no epochs yet" if n == 0 else f"{n} epoch{'s' if n != 1 else ''}"
+        text = f"MetricHistory {self._title!r}{where}: {epochs}, columns {', '.join(self._columns)}"
         if self._best is not None:
             name, mode = self._monitor
-            lines.append(f"* best {name} ({mode}), the monitored metric")
-        elif self._monitor is not None and self._monitor[0] in self._columns and self._rows:
-            lines.append(f"no best epoch: {self._monitor[0]} has no number in these rows")
-        hidden = [c for c in self._columns if not self._scalar[c]]
-        if hidden:
-            them = "it" if len(hidden) == 1 else "them"
-            lines.append(
-                f"not tabulated: {', '.join(hidden)} "
-                f"(reach {them} as {', '.join(self._reach(c) for c in hidden)})"
-            )
-        if self._resumed_from is not None:
-            lines.append(
-                f"resumed from epoch {self._resumed_from}: this history starts there; "
-                "earlier epochs belong to the run it resumed"
-            )
-        return lines
+            text += f"; best epoch {self.best_epoch} by {name} ({mode})"
+        return f"{text} [{note}]"
+
+    def _display(self, format: str, fallback) -> str:
+        """``format`` as a plugin renders it, else ``fallback(summary)``. Never raises."""
+        try:
+            rendered = self._render(format)
+        except Exception as error:  # noqa: BLE001 - a display must never raise
+            return fallback(self._summary(f"rendering failed: {type(error).__name__}: {error}"))
+        if not isinstance(rendered, str):
+            return fallback(self._summary(f"no plugin renders histories as {format!r}"))
+        return rendered
 
     def table(self, width: int | None = None, max_rows: int | None = None) -> str:
-        """The history as a framed text table.
+        """The history as a text table, rendered by a plugin (format ``"text"``).
 
-        ``width`` (characters) and ``max_rows`` (body lines, ``⋮`` lines
-        included) default to the terminal's size
-        (``shutil.get_terminal_size``, 100x24 when there is no terminal;
-        the rows get the height minus 9 lines of title, rules and footers).
-
-        When the rows do not fit, the table keeps the first rows, the best
-        row with its neighbours and the last rows, writes ``⋮`` for each gap,
-        and says in a footer how many were left out and which selection would
-        show every row. Columns that do not fit ``width`` are dropped from the
-        right (the monitored metric last) and named in a footer. Only scalar
-        columns are tabulated; the others are named in a footer. The best row
-        ends with ``*``.
+        ``width`` (characters) and ``max_rows`` (body lines) default to the
+        terminal's size. The built-in plugin ``history_table`` draws a framed
+        table that, when the rows do not fit, keeps the first rows, the best row
+        with its neighbours and the last rows, drops columns that pass
+        ``width`` from the right, names what it left out in footers and stars
+        the best row. Raises ``RuntimeError`` if no plugin renders text.
         """
-        if not self._rows:
-            return self._empty_line()
-        size = shutil.get_terminal_size((100, 24))
-        if width is None:
-            width = size.columns
-        if max_rows is None:
-            max_rows = size.lines - _CHROME_LINES
-        budget = max(int(max_rows), _MIN_BODY_ROWS)
-
-        n = len(self._rows)
-        shown = _thin(n, self._best, budget)
-        star = self._best is not None
-
-        columns = [c for c in self._columns if self._scalar[c]]
-        cells = {c: [_fmt(self._rows[p][c]) for p in shown] for c in columns}
-        widths = {c: max([len(c)] + [len(s) for s in cells[c]]) for c in columns}
-
-        def content_width(cols: list[str]) -> int:
-            return sum(widths[c] for c in cols) + 2 * (len(cols) - 1) + (2 if star else 0)
-
-        # Drop from the right; the fixed columns and the monitored metric go last.
-        monitor = self._monitor[0] if self._monitor else None
-        protected = [c for c in ("epoch", monitor, "train_loss", "step") if c in columns]
-        drop_order = [c for c in reversed(columns) if c not in protected] + protected[:0:-1]
-        dropped: list[str] = []
-        visible = list(columns)
-        for c in drop_order:
-            if content_width(visible) + 4 <= width:
-                break
-            visible.remove(c)
-            dropped.append(c)
-        inner = content_width(visible)
-
-        def line(texts: list[str], mark: bool) -> str:
-            body = "  ".join(t.rjust(widths[c]) for c, t in zip(visible, texts))
-            if star:
-                body += " *" if mark else "  "
-            return f"│ {body} │"
-
-        out = [self._title_line(len(shown))]
-        out.append("┌" + "─" * (inner + 2) + "┐")
-        out.append(line(visible, False))
-        out.append("├" + "─" * (inner + 2) + "┤")
-        previous = -1
-        for i, p in enumerate(shown):
-            if p != previous + 1:
-                out.append("│ " + _GAP.rjust(widths[visible[0]]).ljust(inner) + " │")
-            out.append(line([cells[c][i] for c in visible], p == self._best))
-            previous = p
-        out.append("└" + "─" * (inner + 2) + "┘")
-
-        footers = self._common_footers()
-        if len(shown) < n:
-            tail = self._rows[max(n - budget, 0)]["epoch"]
-            footers.insert(
-                1 if self._best is not None else 0,
-                f"{n - len(shown)} of {n} epochs thinned to fit; select fewer, "
-                f"`h[{tail}:{self._rows[-1]['epoch']}]` say, for every row",
-            )
-        if dropped:
-            names = [c for c in columns if c in dropped]
-            quoted = ", ".join(repr(c) for c in names)
-            footers.append(
-                f"not shown, the table would pass {width} characters: {', '.join(names)} "
-                f"(select them, h[{quoted}], or widen the terminal)"
-            )
-        out += ["  " + f for f in footers]
-        return "\n".join(out)
+        options = {k: v for k, v in (("width", width), ("max_rows", max_rows)) if v is not None}
+        return self._render_or_raise("text", "table()", **options)
 
     def __str__(self) -> str:
-        return self.table()
+        return self._display("text", str)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        """Every row as an HTML table; the best row is bold and starred."""
-        esc = html.escape
-        if not self._rows:
-            return f"<div class='jaxnitro-history'><p>{esc(self._empty_line())}</p></div>"
-        star = self._best is not None
-        columns = [c for c in self._columns if self._scalar[c]]
-        head = "".join(f"<th>{esc(c)}</th>" for c in columns) + ("<th></th>" if star else "")
-        body = []
-        for p, r in enumerate(self._rows):
-            is_best = p == self._best
-            tds = "".join(
-                f"<td style='text-align:right'>{esc(_fmt(r[c]))}</td>" for c in columns
-            )
-            if star:
-                tds += f"<td>{'*' if is_best else ''}</td>"
-            attrs = " class='best' style='font-weight:bold'" if is_best else ""
-            body.append(f"<tr{attrs}>{tds}</tr>")
-        footers = "".join(f"<div>{esc(f)}</div>" for f in self._common_footers())
-        return (
-            f"<div class='jaxnitro-history'><div><strong>{esc(self._title_line())}</strong></div>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            f"{footers}</div>"
-        )
+        """Every row as an HTML table (format ``"html"``); the plain summary if no plugin renders it."""
+        return self._display("html", lambda summary: f"<pre>{html.escape(summary)}</pre>")
+
+    def to_pandas(self):
+        """A ``pandas.DataFrame`` indexed by ``epoch`` with every other column (format ``"pandas"``).
+
+        With the built-in plugin, scalar columns keep their NumPy dtype (int for
+        ``step``; float where a value is NaN) and array columns are ``object``
+        columns holding one array per row. Needs pandas (``pip install
+        pandas``). Raises ``RuntimeError`` if no plugin renders pandas.
+        """
+        return self._render_or_raise("pandas", "to_pandas()")
+
+    def to_csv(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        """Write the scalar columns to ``path`` as CSV (format ``"csv"``); returns ``path``.
+
+        With the built-in plugin: a header row first, floats at full precision,
+        NaN as ``nan``; array columns are left out (reach them as ``h.name``).
+        Needs no pandas. Raises ``RuntimeError`` if no plugin writes CSV.
+        """
+        return self._render_or_raise("csv", "to_csv()", path=path)
 
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-def _attr_name_ok(name: str) -> bool:
-    return (
-        name.isidentifier()
-        and not keyword.iskeyword(name)
-        and not name.startswith("_")
-        and not hasattr(MetricHistory, name)
-    )
 
 
 def _slice_text(s: slice) -> str:
@@ -749,8 +597,3 @@ def _in_range(rows, key, start, stop, form) -> list[dict[str, Any]]:
         if (start is None or r[key] >= start) and (stop is None or r[key] <= stop)
     ]
 
-
-def _csv_cell(value: Any) -> str:
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else repr(value)
-    return str(value)

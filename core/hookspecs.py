@@ -1,29 +1,40 @@
 """The hook contracts of jaxnitro, as pluggy hookspecs.
 
-Two families live here.
+Three families live here.
 
-**Experiment hooks** are plain methods on an experiment class (no decorator).
-The experiment instance is the first plugin of its handle's plugin manager;
-installed plugins come next and built-in defaults last. The core resolves each
-hook once, when a :class:`jaxnitro.Nitro` is built, and calls the chosen
-implementation itself, because batch fields are routed to hooks as
-keyword-only arguments: ``def forward(self, model, state, *, img)`` receives
-the batch's ``img`` and nothing else. The ``batch`` parameter of a spec below
-stands for those keyword-only fields; pluggy ignores keyword-only parameters
-when it validates an implementation.
+**Experiment hooks** (module-level functions below) are plain methods on an
+experiment class (no decorator). The core resolves each one once, when a
+:class:`jaxnitro.Nitro` is built: the experiment's own method wins, then an
+installed plugin's implementation, then the built-in default
+(:mod:`jaxnitro.defaults`). The core calls the chosen implementation itself,
+because batch fields are routed to hooks as keyword-only arguments:
+``def forward(self, model, state, *, img)`` receives the batch's ``img`` and
+nothing else. The ``batch`` parameter of a spec stands for those keyword-only
+fields (pluggy ignores keyword-only parameters when it validates).
 
-Positional parameters are passed by position, so an implementation may name
-them freely (``def loss(self, logits, *, label)``); their count must match
-the spec. Every implementation, also one from a plugin, is called with the
-experiment as its first argument (``self``): the real experiment in host-side
-hooks, its compile view (Device values traced, Host fields stripped) in
-traced hooks (``forward``, ``loss``, ``train_metrics``, device-resident
-``metrics``).
+An experiment's own method may name its positional parameters freely
+(``def loss(self, logits, *, label)``): they are passed by position and only
+their count must match the spec (checked at setup, naming the hook). A
+plugin module's implementation is validated by pluggy and uses the spec's
+names, ``self`` first: every implementation is called with the experiment as
+its first argument, the real experiment in host-side hooks and its compile
+view (Device values traced, Host fields stripped) in traced hooks
+(``forward``, ``loss``, ``train_metrics``, device-resident ``metrics``).
 
-**Extension hooks** are global. They are implemented by modules registered as
-entry points in group ``jaxnitro`` (``[project.entry-points.jaxnitro]``), the
-built-in logger and progress reporter included, exactly as a third-party
-package registers its own. Their names start with ``jaxnitro_``.
+**Extension hooks** (:class:`ExtensionSpec`) answer one question each
+(``firstresult``): make a logger from a name, choose the default logger,
+adapt a foreign data source, make a progress reporter, accept a run knob,
+render a history, describe a handle, export public names.
+
+**Lifecycle hooks** (:class:`LifecycleSpec`) are called for every plugin at
+fixed points: each setup step, a run's start, a phase's start, a stretch of
+steps read, an epoch trained, a split evaluated, an epoch's end, the run's
+finish, a progress note, and before a verb.
+
+Extension and lifecycle hooks are implemented by modules registered as entry
+points in group ``jaxnitro`` (``[project.entry-points.jaxnitro]``), the
+built-in features included, exactly as a third-party package registers its
+own; their names start with ``jaxnitro_``.
 """
 
 from __future__ import annotations
@@ -36,111 +47,120 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-class ExperimentSpec:
-    """Experiment hooks. Implement them as methods of an ``@jn.experiment`` class."""
+# == experiment hooks =====================================================
+# Module-level, so their first parameter (``self``, the experiment) is part of
+# the contract: a plugin module's implementation takes it too.
 
-    # -- data and model ---------------------------------------------------
+# -- data and model ---------------------------------------------------
 
-    @hookspec(firstresult=True)
-    def build_data(self, dist):
-        """Return the splits: ``{"train": source, "val": source, "test": ...}``.
+@hookspec(firstresult=True)
+def build_data(self, dist):
+    """Return the splits: ``{"train": source, "val": source, "test": ...}``.
 
-        Runs on the host against the real experiment (Host fields readable).
-        A source is an iterable of dicts of host (NumPy) arrays with ``len()``;
-        the batch dimension is first. ``train`` must drop its partial final
-        batch and its batch count must divide by ``accum``. ``dist`` is
-        reserved for a distribution handle and is ``None`` in one process.
-        Skipped when ``Nitro(e, data=...)`` is given.
-        """
+    Runs on the host against the real experiment (Host fields readable).
+    A source is an iterable of dicts of host (NumPy) arrays with ``len()``;
+    the batch dimension is first. ``train`` must drop its partial final
+    batch and its batch count must divide by ``accum``. ``dist`` is
+    reserved for a distribution handle and is ``None`` in one process.
+    Skipped when ``Nitro(e, data=...)`` is given.
+    """
 
-    @hookspec(firstresult=True)
-    def derive(self, data):
-        """Return ``{field: host value}`` computed from the data.
+@hookspec(firstresult=True)
+def derive(self, data):
+    """Return ``{field: host value}`` computed from the data.
 
-        Runs after ``build_data`` and before Device fields are converted; the
-        result is merged into the experiment with ``attrs.evolve``. An unknown
-        field name raises.
-        """
+    Runs after ``build_data`` and before Device fields are converted; the
+    result is merged into the experiment with ``attrs.evolve``. An unknown
+    field name raises.
+    """
 
-    @hookspec(firstresult=True)
-    def build_model(self, key):
-        """Return an Equinox model, or ``(model, state)`` from ``eqx.nn.make_with_state``.
+@hookspec(firstresult=True)
+def build_model(self, key):
+    """Return an Equinox model, or ``(model, state)`` from ``eqx.nn.make_with_state``.
 
-        ``key`` is a ``jax.random`` key derived from the run's ``seed``.
-        """
+    ``key`` is a ``jax.random`` key derived from the run's ``seed``.
+    """
 
-    # -- traced hooks -----------------------------------------------------
+# -- traced hooks -----------------------------------------------------
 
-    @hookspec(firstresult=True)
-    def forward(self, model, state, batch):
-        """Return ``(outputs, state)``. Batch fields arrive as keyword-only arguments.
+@hookspec(firstresult=True)
+def forward(self, model, state, batch):
+    """Return ``(outputs, state)``. Batch fields arrive as keyword-only arguments.
 
-        ``state`` is the ``eqx.nn.State`` (``None`` for a stateless model); the
-        core strips the returned state before ``loss``/``metrics``. During
-        evaluation and prediction ``model`` is in inference mode.
-        """
+    ``state`` is the ``eqx.nn.State`` (``None`` for a stateless model); the
+    core strips the returned state before ``loss``/``metrics``. During
+    evaluation and prediction ``model`` is in inference mode.
+    """
 
-    @hookspec(firstresult=True)
-    def loss(self, outputs, batch):
-        """Return the scalar loss of one batch (traced, differentiated)."""
+@hookspec(firstresult=True)
+def loss(self, outputs, batch):
+    """Return the scalar loss of one batch (traced, differentiated)."""
 
-    @hookspec(firstresult=True)
-    def metrics(self, outputs, batch):
-        """Return ``{name: (value, mode)}`` for one evaluation batch.
+@hookspec(firstresult=True)
+def metrics(self, outputs, batch):
+    """Return ``{name: (value, mode)}`` for one evaluation batch.
 
-        ``mode`` is a number (a count: values and counts are summed over the
-        split and divided once), ``"sum"``, ``"max"``, ``"min"`` or
-        ``"concat"``. Never sees padding rows. Default: ``{"loss": (loss, 1)}``.
-        """
+    ``mode`` is a number (a count: values and counts are summed over the
+    split and divided once), ``"sum"``, ``"max"``, ``"min"`` or
+    ``"concat"``. Never sees padding rows. Default: ``{"loss": (loss, 1)}``.
+    """
 
-    @hookspec(firstresult=True)
-    def train_metrics(self, outputs, batch):
-        """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program."""
+@hookspec(firstresult=True)
+def train_metrics(self, outputs, batch):
+    """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program."""
 
-    @hookspec(firstresult=True)
-    def finalize_metrics(self, acc, split):
-        """Host-side: turn the reduced split metrics ``acc`` into what is reported.
+@hookspec(firstresult=True)
+def finalize_metrics(self, acc, split):
+    """Host-side: turn the reduced split metrics ``acc`` into what is reported.
 
-        Counted keys arrive divided, ``"sum"`` keys as raw totals. The return
-        value replaces ``acc`` for the logger, early stopping and history.
-        """
+    Counted keys arrive divided, ``"sum"`` keys as raw totals. The return
+    value replaces ``acc`` for the logger, early stopping and history.
+    """
 
-    @hookspec(firstresult=True)
-    def metrics_residency(self, hook):
-        """Return ``"device"`` or ``"host"`` for ``hook`` (``"metrics"`` or ``"train_metrics"``).
+@hookspec(firstresult=True)
+def metrics_residency(self, hook):
+    """Return ``"device"`` or ``"host"`` for ``hook`` (``"metrics"`` or ``"train_metrics"``).
 
-        Defaults: ``"device"`` for ``train_metrics``, ``"host"`` for ``metrics``.
-        """
+    Defaults: ``"device"`` for ``train_metrics``, ``"host"`` for ``metrics``.
+    """
 
-    # -- optimizer --------------------------------------------------------
+# -- optimizer --------------------------------------------------------
 
-    @hookspec(firstresult=True)
-    def param_group(self, keypath):
-        """Return the group name of the parameter at ``keypath`` (a tuple of str/int)."""
+@hookspec(firstresult=True)
+def param_group(self, keypath):
+    """Return the group name of the parameter at ``keypath`` (a tuple of str/int)."""
 
-    @hookspec(firstresult=True)
-    def learning_rate(self):
-        """Return the base learning rate (default ``1e-3``)."""
+@hookspec(firstresult=True)
+def learning_rate(self):
+    """Return the base learning rate (default ``1e-3``)."""
 
-    @hookspec(firstresult=True)
-    def learning_rate_ratio(self, group):
-        """Return ``group``'s rate as a ratio of the base rate (default ``1.0``)."""
+@hookspec(firstresult=True)
+def learning_rate_ratio(self, group):
+    """Return ``group``'s rate as a ratio of the base rate (default ``1.0``)."""
 
-    @hookspec(firstresult=True)
-    def weight_decay(self, group):
-        """Return ``group``'s decoupled weight decay (default ``0.0``)."""
+@hookspec(firstresult=True)
+def weight_decay(self, group):
+    """Return ``group``'s decoupled weight decay (default ``0.0``)."""
 
-    @hookspec(firstresult=True)
-    def optimizer(self, group):
-        """Return an optax rule factory taking ``learning_rate`` (default ``optax.radam``)."""
+@hookspec(firstresult=True)
+def optimizer(self, group):
+    """Return an optax rule factory taking ``learning_rate`` (default ``optax.radam``)."""
 
-    @hookspec(firstresult=True)
-    def monitor(self):
-        """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
+@hookspec(firstresult=True)
+def monitor(self):
+    """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
+
 
 
 class ExtensionSpec:
-    """Extension hooks, implemented by entry-point plugins (group ``jaxnitro``)."""
+    """Extension hooks, implemented by entry-point plugins (group ``jaxnitro``).
+
+    Each is ``firstresult``: plugins are asked in pluggy's order (the most
+    recently registered first, ``trylast`` implementations last) and the first
+    answer that is not ``None`` wins. Every built-in implementation is
+    ``trylast``, so an installed plugin answering the same question wins,
+    whatever the install order.
+    """
 
     @hookspec(firstresult=True)
     def jaxnitro_make_logger(self, name, run_dir, experiment):
@@ -151,6 +171,13 @@ class ExtensionSpec:
         ``log_params(params)``, ``log_other(key, value)``,
         ``log_metrics(metrics, *, step, epoch, context)``, ``finish(status)``
         and optionally ``info()``.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_default_logger(self):
+        """Return the name of the logger a run uses when the ``logger`` knob is not set.
+
+        The core names no logger itself. With no answer, a run logs nothing.
         """
 
     @hookspec(firstresult=True)
@@ -165,8 +192,138 @@ class ExtensionSpec:
         (``position`` in epochs, fractional) and ``close(label)``.
         """
 
+    @hookspec(firstresult=True)
+    def jaxnitro_accept_knob(self, name, value, nitro):
+        """Say whether this plugin acts on run knob ``name`` set to ``value``.
 
-EXPERIMENT_HOOKS = tuple(
-    n for n in vars(ExperimentSpec) if not n.startswith("_")
+        Asked at setup for every run knob that the core does not act on itself
+        (``early_stop``, ``checkpointer``) when its value is not ``None``.
+        Return ``True`` to take charge of it; raise (naming the knob, the
+        problem and the fix) if the value is wrong for ``nitro``, a handle
+        whose data, hooks, ``monitor`` and settings are resolved. A knob no
+        plugin accepts is refused at setup, naming any disabled plugins.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_render_history(self, history, format, options):
+        """Render a :class:`jaxnitro.MetricHistory`; return ``None`` if ``format`` is not yours.
+
+        ``format`` is ``"text"`` (a table for a terminal; ``options`` may hold
+        ``width`` and ``max_rows``), ``"html"`` (a notebook table), ``"csv"``
+        (write ``options["path"]``, return the path) or ``"pandas"`` (return a
+        ``pandas.DataFrame``). Other formats may be answered by other plugins.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_describe(self, subject, format):
+        """Describe ``subject`` (a :class:`jaxnitro.Nitro` or an experiment instance).
+
+        ``format`` is ``"text"`` (``print(nitro)``, sized to the terminal),
+        ``"html"`` (a notebook) or ``"report"`` (fixed-width plain text: the
+        binding report a run logs). Return ``None`` if not yours; the core then
+        shows a one-line summary.
+        """
+
+    @hookspec
+    def jaxnitro_exports(self):
+        """Return ``{name: object}``: public names this plugin adds to the ``jaxnitro`` namespace.
+
+        ``jn.EarlyStopping`` is the early-stopping plugin's export. A name the
+        core already defines cannot be replaced; two plugins exporting one
+        name is an error naming both.
+        """
+
+
+class LifecycleSpec:
+    """Lifecycle hooks: the core calls every plugin's implementation at fixed points of a run.
+
+    Like pytest's ``pytest_sessionstart``/``pytest_runtest_logreport``: loggers,
+    progress, early stopping, checkpointers and reports subscribe to them. They
+    are called once per stretch of steps read, per epoch or per run, never per
+    step from Python, so they cost nothing measurable in step throughput.
+    Return values are ignored; a plugin acts on the run through ``run``
+    (for instance ``run.request_stop(reason)``).
+
+    ``run`` is a :class:`jaxnitro.RunContext`: the handle (``run.nitro``), the
+    run folder (``run.run_dir``), the resolved settings (``run.settings``), the
+    monitored metric (``run.monitor``) and the loggers of the run
+    (``run.loggers``).
+    """
+
+    @hookspec
+    def jaxnitro_run_start(self, run):
+        """A run begins: its folder exists and its loggers are made; no step has run."""
+
+    @hookspec
+    def jaxnitro_steps_read(self, run, stretch):
+        """A stretch of optimizer steps has been computed and read back to the host.
+
+        ``stretch`` is a :class:`jaxnitro.StepStretch`: consecutive steps, each
+        with its epoch and its per-step scalars (``loss``, ``train_metrics``,
+        varying schedule values); ``stretch.lines()`` yields
+        ``(step, epoch, {name: float})``. Steps are read in order, each once.
+        """
+
+    @hookspec
+    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+        """An epoch's steps have all been dispatched (``step`` is the last one).
+
+        ``stats`` holds the epoch's data-pipeline figures, e.g.
+        ``{"data_wait_frac": 0.03}`` (the share of the epoch spent waiting for
+        batches).
+        """
+
+    @hookspec
+    def jaxnitro_split_evaluated(self, run, split, metrics, context):
+        """A split was evaluated inside the run (``context`` is ``"validate"``).
+
+        ``metrics`` is what ``finalize_metrics`` returned.
+        """
+
+    @hookspec
+    def jaxnitro_epoch_end(self, run, row):
+        """An epoch is complete: ``row`` is its history row (``epoch``, ``step``,
+        ``train_loss`` and the validation metrics, when validated).
+
+        Early stopping subscribes here and calls ``run.request_stop(reason)``.
+        """
+
+    @hookspec
+    def jaxnitro_run_finish(self, run, status):
+        """The run ended with ``status``: ``"done"``, ``"diverged"``, ``"interrupted"``
+        or ``"failed"``. Called whatever happened, after the last event."""
+
+    @hookspec
+    def jaxnitro_setup_step(self, experiment, step):
+        """``Nitro(experiment)``'s setup is at ``step``: ``"starting"``, then named steps
+        (``"building data"``, ``"deriving"``, ``"checking splits"``, ``"building model"``,
+        ``"building optimizer"``), then ``"done"`` or ``"failed"``."""
+
+    @hookspec
+    def jaxnitro_phase_start(self, run, epoch, phase, detail):
+        """Epoch ``epoch``'s ``phase`` (``"train"`` or ``"validate"``) begins; ``detail`` says
+        what it does first (``"compiling train step"``, ``"compiling forward"``) or is None."""
+
+    @hookspec
+    def jaxnitro_progress_note(self, note):
+        """The current progress note changed (``jn.progress_note``, ``jn.with_progress_note``);
+        ``note`` is the innermost open note or None."""
+
+    @hookspec
+    def jaxnitro_before_verb(self, nitro, verb):
+        """A verb (``"train"``, ``"validate"``, ``"evaluate"``, ``"predict"``) is about to
+        run on ``nitro``. The stale-handle report subscribes here."""
+
+
+EXPERIMENT_HOOKS = (
+    "build_data", "derive", "build_model", "forward", "loss", "metrics", "train_metrics",
+    "finalize_metrics", "metrics_residency", "param_group", "learning_rate",
+    "learning_rate_ratio", "weight_decay", "optimizer", "monitor",
 )
 """Names of the experiment hooks, in contract order."""
+
+EXTENSION_HOOKS = tuple(n for n in vars(ExtensionSpec) if not n.startswith("_"))
+"""Names of the extension hooks."""
+
+LIFECYCLE_HOOKS = tuple(n for n in vars(LifecycleSpec) if not n.startswith("_"))
+"""Names of the lifecycle hooks, in the order a run calls them."""

@@ -1,19 +1,27 @@
 """Run knobs: keyword > experiment method > experiment field > framework default.
 
-The fourteen knobs are resolved once, when a handle is built. For each knob
-the handle records where its value came from, so :mod:`jaxnitro.staleness`
-can tell later whether an accessor now answers differently.
+The fourteen knobs are resolved once, when a handle is built, into one typed
+:class:`Settings`. For each knob it records where the value came from, so the
+stale-handle report can tell later whether an accessor now answers
+differently, and ``print(nitro)`` can say where each value came from.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from dataclasses import dataclass
 
-from .experiment import fields_of
+import numpy as np
 
-__all__ = ["RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "ResolvedKnob", "resolve_knobs", "check_keywords"]
+from .experiment import fields_of
+from .logger import DEFAULT_LOGGER
+
+__all__ = [
+    "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "PLUGIN_KNOBS", "ResolvedKnob", "Settings",
+    "check_keywords", "make_settings", "resolve_knobs",
+]
 
 KNOB_DEFAULTS: dict[str, object] = {
     "seed": 0,
@@ -26,12 +34,15 @@ KNOB_DEFAULTS: dict[str, object] = {
     "check_divergence": True,
     "autolog_schedules": True,
     "log_every_n_steps": 1,
-    "logger": "jsonl",
+    "logger": DEFAULT_LOGGER,
     "checkpointer": None,
     "early_stop": None,
     "ema": None,
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
+
+PLUGIN_KNOBS = ("early_stop", "checkpointer")
+"""Knobs the core does not act on itself: a plugin must accept them (``jaxnitro_accept_knob``)."""
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
 
@@ -87,3 +98,69 @@ def resolve_knobs(e, kwargs: dict) -> dict[str, ResolvedKnob]:
         else:
             out[name] = ResolvedKnob(name, default, "default")
     return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A handle's resolved run knobs: one typed, read-only object (setup builds it once).
+
+    ``knobs`` keeps each knob's provenance (:class:`ResolvedKnob`: value and
+    source); ``monitor`` is the experiment's ``(metric, "max" | "min")`` or None.
+    ``logger`` is the knob with the default resolved to the name plugins chose.
+    """
+
+    seed: int
+    run_dir: str
+    n_devs: int | None
+    accum: int
+    max_epochs: int
+    schedules: dict
+    gradient_clip_norm: float
+    check_divergence: bool
+    autolog_schedules: bool
+    log_every_n_steps: int
+    logger: object
+    checkpointer: object
+    early_stop: object
+    ema: object
+    monitor: tuple[str, str] | None
+    knobs: dict
+
+    def source(self, name: str) -> str:
+        """Where knob ``name``'s value came from: keyword, accessor, field or default."""
+        return self.knobs[name].source
+
+
+def check_values(knobs: dict[str, ResolvedKnob]) -> None:
+    """Refuse integer knobs that are not integers in range, naming the knob, its source and the fix."""
+    for name in ("accum", "max_epochs", "log_every_n_steps"):
+        v, low = knobs[name].value, (0 if name == "max_epochs" else 1)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+            raise ValueError(
+                f"jaxnitro: run knob `{name}` = {v!r} ({knobs[name].source}); it must be "
+                f"an integer >= {low}."
+            )
+
+
+def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Settings:
+    """Typed settings from resolved knobs (checked with :func:`check_values` first)."""
+    check_values(knobs)
+    k = {name: r.value for name, r in knobs.items()}
+    return Settings(
+        seed=int(k["seed"]),
+        run_dir=os.fspath(k["run_dir"]),
+        n_devs=k["n_devs"],
+        accum=int(k["accum"]),
+        max_epochs=int(k["max_epochs"]),
+        schedules=k["schedules"] or {},
+        gradient_clip_norm=float(k["gradient_clip_norm"] or 0.0),
+        check_divergence=bool(k["check_divergence"]),
+        autolog_schedules=bool(k["autolog_schedules"]),
+        log_every_n_steps=int(k["log_every_n_steps"]),
+        logger=logger,
+        checkpointer=k["checkpointer"],
+        early_stop=k["early_stop"],
+        ema=k["ema"],
+        monitor=monitor,
+        knobs=dict(knobs),
+    )

@@ -1,17 +1,22 @@
-"""Plugin discovery and hook resolution.
+"""Plugin discovery and experiment-hook resolution, on pluggy's own machinery.
 
-Extension plugins are found through entry points in group ``jaxnitro`` (the
-built-in ones included, registered in jaxnitro's own pyproject.toml) and loaded
-once per process into a global :class:`pluggy.PluginManager`. Set
-``JAXNITRO_DISABLE_PLUGINS=name,other`` to skip entry points by name.
+Extension and lifecycle plugins are entry points in group ``jaxnitro`` (the
+built-in ones included, registered in jaxnitro's own pyproject.toml). They are
+loaded once per process into one :class:`pluggy.PluginManager` by
+``load_setuptools_entrypoints``; ``JAXNITRO_DISABLE_PLUGINS=name,other`` blocks
+entry points by name (``set_blocked``); ``check_pending`` then refuses a
+hook implementation whose name matches no hookspec (a typo), naming the plugin,
+the misspelled hook and the closest real one. Distributions come from
+``list_plugin_distinfo``.
 
 Experiment hooks are resolved per handle by :func:`resolve_hooks`: the
-experiment's own method wins, then an installed plugin's implementation, then
-the built-in default.
+experiment's own method wins, then an installed plugin's implementation (in
+pluggy's call order), then the built-in default.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import inspect
 import os
@@ -23,69 +28,29 @@ from . import hookspecs
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
 
 __all__ = [
-    "ExperimentPluginManager",
     "PluginInfo",
+    "ResolvedHook",
+    "disabled_plugins",
+    "first_result",
+    "plugin_exports",
     "plugin_manager",
     "plugins_info",
     "resolve_hooks",
     "reload_plugins",
 ]
 
-_EXTENSION_HOOKS = tuple(n for n in vars(hookspecs.ExtensionSpec) if not n.startswith("_"))
+DISABLE_ENV = "JAXNITRO_DISABLE_PLUGINS"
 
-
-class ExperimentPluginManager(pluggy.PluginManager):
-    """A PluginManager that accepts undecorated methods named like a hookspec.
-
-    An experiment class implements ``loss``, ``forward`` ... as plain methods;
-    this manager treats every routine whose name is a known hook as an
-    implementation, so no decorator is needed.
-    """
-
-    def parse_hookimpl_opts(self, plugin, name):
-        opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and (name in EXPERIMENT_HOOKS or name in _EXTENSION_HOOKS):
-            try:
-                method = getattr(plugin, name)
-            except Exception:
-                return None
-            if inspect.isroutine(method):
-                return {}
-        return opts
-
-    def _verify_hook(self, hook, hookimpl):
-        """Experiment hooks may name their positional parameters freely; the count must match.
-
-        ``def loss(self, logits, *, label)`` implements ``loss(outputs, batch)``:
-        the core passes positionals by position and batch fields by keyword.
-        Every implementation is called with the experiment first (see
-        :func:`resolve_hooks`), so the count is taken on the unbound function:
-        a method's ``self``, or the first parameter of a plugin module's function,
-        receives the experiment.
-        """
-        if hook.name not in EXPERIMENT_HOOKS or hook.spec is None:
-            return super()._verify_hook(hook, hookimpl)
-        expected = tuple(a for a in hook.spec.argnames if a != "batch")
-        function = _unbound(hookimpl.function)
-        positional = tuple(
-            p.name
-            for p in inspect.signature(function).parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        )
-        if len(positional) != len(expected) + 1:
-            raise TypeError(
-                f"jaxnitro: hook `{hook.name}` of {hookimpl.plugin_name} takes positional "
-                f"parameters {positional}, but the contract is "
-                f"`{hook.name}(self{''.join(', ' + a for a in expected)}"
-                f"{', *, <batch fields>' if 'batch' in hook.spec.argnames else ''})`: the experiment "
-                f"first (`self`, also for a plugin module's function), then {len(expected)} "
-                f"positional parameter(s). Batch fields are keyword-only parameters (after `*`)."
-            )
+_ALL_SPECS = (
+    EXPERIMENT_HOOKS
+    + hookspecs.EXTENSION_HOOKS
+    + hookspecs.LIFECYCLE_HOOKS
+)
 
 
 @dataclass(frozen=True)
 class PluginInfo:
-    """One loaded plugin: its entry-point name, module and distribution."""
+    """One loaded plugin: its entry-point name, module, distribution and the hooks it implements."""
 
     name: str
     module: str
@@ -94,75 +59,141 @@ class PluginInfo:
     hooks: tuple[str, ...]
 
 
-_GLOBAL: ExperimentPluginManager | None = None
-_INFO: list[PluginInfo] = []
+_GLOBAL: pluggy.PluginManager | None = None
 
 
-def _disabled() -> set[str]:
-    raw = os.environ.get("JAXNITRO_DISABLE_PLUGINS", "")
-    return {n.strip() for n in raw.split(",") if n.strip()}
+def _disabled_from_env() -> list[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return [n.strip() for n in raw.split(",") if n.strip()]
 
 
-def _load() -> ExperimentPluginManager:
-    pm = ExperimentPluginManager(PROJECT)
-    pm.add_hookspecs(hookspecs.ExperimentSpec)
+def new_manager() -> pluggy.PluginManager:
+    """An empty manager that knows every jaxnitro hookspec."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)  # the module-level experiment hooks
     pm.add_hookspecs(hookspecs.ExtensionSpec)
-    disabled = _disabled()
-    _INFO.clear()
-    seen: set[str] = set()
-    for ep in importlib.metadata.entry_points(group=PROJECT):
-        if ep.name in disabled or ep.name in seen:
-            continue
-        seen.add(ep.name)
-        try:
-            plugin = ep.load()
-        except Exception as err:
-            raise ImportError(
-                f"jaxnitro: plugin entry point `{ep.name}` ({ep.value}) failed to import: {err}. "
-                f"Fix or uninstall the package that provides it, or skip it with "
-                f"JAXNITRO_DISABLE_PLUGINS={ep.name}."
-            ) from err
-        pm.register(plugin, name=ep.name)
-        dist = getattr(ep, "dist", None)
-        hooks = tuple(
-            sorted(h.name for h in pm.get_hookcallers(plugin) or ())
-        )
-        _INFO.append(
-            PluginInfo(
-                ep.name,
-                getattr(plugin, "__name__", ep.value),
-                dist.metadata["Name"] if dist is not None else "?",
-                dist.version if dist is not None else "?",
-                hooks,
-            )
-        )
+    pm.add_hookspecs(hookspecs.LifecycleSpec)
     return pm
 
 
-def plugin_manager() -> ExperimentPluginManager:
-    """The process-wide manager of extension plugins, loaded on first use."""
+def _failing_entry_point(pm: pluggy.PluginManager):
+    """After ``load_setuptools_entrypoints`` raised: the first entry point that fails to load."""
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            ep.load()
+        except Exception:  # noqa: BLE001 - this is the one we are looking for
+            return ep
+    return None
+
+
+def _check_pending(pm: pluggy.PluginManager) -> None:
+    """``pm.check_pending()``, with the misspelled hook and the closest real one named."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as err:
+        lines = []
+        for name, caller in vars(pm.hook).items():
+            if not isinstance(caller, pluggy.HookCaller) or caller.spec is not None:
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.optionalhook:
+                    continue
+                close = difflib.get_close_matches(name, _ALL_SPECS, n=1)
+                hint = f"; did you mean `{close[0]}`?" if close else ""
+                lines.append(f"plugin `{impl.plugin_name}` implements `{name}`, which is no jaxnitro hook{hint}")
+        raise pluggy.PluginValidationError(
+            err.plugin,
+            "jaxnitro: " + "; ".join(lines or [str(err)]) + ". Rename the implementation to the hook it "
+            "means (the hooks are listed in jaxnitro.hookspecs), or mark it "
+            "`@hookimpl(optionalhook=True)` if it serves a hook another plugin defines.",
+        ) from err
+
+
+def _load() -> pluggy.PluginManager:
+    pm = new_manager()
+    for name in _disabled_from_env():
+        pm.set_blocked(name)
+    try:
+        pm.load_setuptools_entrypoints(PROJECT)
+    except Exception as err:
+        ep = _failing_entry_point(pm)
+        what = f"`{ep.name}` ({ep.value})" if ep is not None else "of group `jaxnitro`"
+        name = ep.name if ep is not None else "<name>"
+        raise ImportError(
+            f"jaxnitro: plugin entry point {what} failed to load: {err}. Fix or uninstall the "
+            f"package that provides it, or skip it with {DISABLE_ENV}={name}."
+        ) from err
+    _check_pending(pm)
+    return pm
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide manager of entry-point plugins, loaded on first use."""
     global _GLOBAL
     if _GLOBAL is None:
         _GLOBAL = _load()
     return _GLOBAL
 
 
-def reload_plugins() -> ExperimentPluginManager:
+def reload_plugins() -> pluggy.PluginManager:
     """Re-read entry points (after installing a plugin or changing ``JAXNITRO_DISABLE_PLUGINS``)."""
     global _GLOBAL
     _GLOBAL = None
+    from .exports import forget
+
+    forget()
     return plugin_manager()
 
 
+def _distributions(pm: pluggy.PluginManager) -> dict[int, tuple[str, str]]:
+    return {id(plugin): (dist.project_name, dist.version) for plugin, dist in pm.list_plugin_distinfo()}
+
+
 def plugins_info() -> list[PluginInfo]:
-    """List the loaded extension plugins with their module, distribution and hooks."""
-    plugin_manager()
-    return list(_INFO)
+    """The loaded plugins with their module, distribution and the hooks they implement."""
+    pm = plugin_manager()
+    dists = _distributions(pm)
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:  # blocked
+            continue
+        dist, version = dists.get(id(plugin), ("?", "?"))
+        hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
+        out.append(PluginInfo(name, getattr(plugin, "__name__", repr(plugin)), dist, version, hooks))
+    return out
+
+
+def disabled_plugins() -> list[str]:
+    """The entry-point names blocked in this process (``JAXNITRO_DISABLE_PLUGINS``)."""
+    return [name for name, plugin in plugin_manager().list_name_plugin() if plugin is None]
+
+
+def disabled_note() -> str:
+    """`` (disabled: a, b)`` for error messages, or an empty string."""
+    off = disabled_plugins()
+    return f" (plugins disabled by {DISABLE_ENV}: {', '.join(off)})" if off else ""
 
 
 def first_result(hook_name: str, **kwargs):
     """Call extension hook ``hook_name`` (a firstresult hook) and return its answer or None."""
     return getattr(plugin_manager().hook, hook_name)(**kwargs)
+
+
+def plugin_exports() -> list[tuple[str, dict]]:
+    """``[(plugin name, {public name: object})]`` from every plugin's ``jaxnitro_exports``."""
+    pm = plugin_manager()
+    caller = pm.hook.jaxnitro_exports
+    out = []
+    for impl in reversed(caller.get_hookimpls()):
+        names = impl.function()
+        if names:
+            out.append((impl.plugin_name, dict(names)))
+    return out
+
+
+# -- experiment hooks -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -171,8 +202,8 @@ class ResolvedHook:
 
     ``function`` is called as ``function(experiment, *args, **routed_fields)``:
     every implementation receives the experiment (or its compile view) as
-    ``self``. ``source`` says where it came from: ``"experiment"``, a plugin
-    name, or ``"default"``.
+    ``self``. ``source`` says where it came from: ``"experiment"``,
+    ``"plugin <name> (<distribution> <version>)"``, or ``"default"``.
     """
 
     name: str
@@ -184,34 +215,62 @@ def _unbound(fn):
     return getattr(fn, "__func__", fn)
 
 
+def _spec_positionals(hook: str) -> tuple[str, ...]:
+    spec = getattr(hookspecs, hook)
+    params = inspect.signature(spec).parameters
+    return tuple(p for p in params if p not in ("self", "batch"))
+
+
+def _check_positionals(cls_name: str, hook: str, function) -> None:
+    """An experiment's own hook method: the count of positional parameters must match the spec."""
+    expected = _spec_positionals(hook)
+    positional = tuple(
+        p.name
+        for p in inspect.signature(function).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
+    if len(positional) != len(expected) + 1:
+        batch = "batch" in inspect.signature(getattr(hookspecs, hook)).parameters
+        raise TypeError(
+            f"jaxnitro: hook `{hook}` of {cls_name} takes positional parameters {positional}, but "
+            f"the contract is `{hook}(self{''.join(', ' + a for a in expected)}"
+            f"{', *, <batch fields>' if batch else ''})`: the experiment first (`self`), then "
+            f"{len(expected)} positional parameter(s). Batch fields are keyword-only parameters "
+            f"(after `*`)."
+        )
+
+
+def _own_method(e, hook: str):
+    attr = inspect.getattr_static(type(e), hook, None)
+    if attr is None:
+        return None
+    function = getattr(type(e), hook)
+    return _unbound(function) if inspect.isroutine(function) else None
+
+
 def resolve_hooks(e, defaults) -> dict[str, ResolvedHook]:
     """Resolve every experiment hook once: experiment > installed plugins > ``defaults``.
 
     Returns ``{hook name: ResolvedHook}`` for the hooks that have any
-    implementation.
+    implementation. Raises ``TypeError`` for an experiment method whose
+    positional parameters do not fit the hook's contract.
     """
-    pm = ExperimentPluginManager(PROJECT)
-    pm.add_hookspecs(hookspecs.ExperimentSpec)
-    pm.register(defaults, name="jaxnitro-defaults")
-    for name, plugin in plugin_manager().list_name_plugin():
-        if plugin is not None:
-            pm.register(plugin, name=name)
-    pm.register(e, name=f"experiment:{type(e).__name__}")
+    pm = plugin_manager()
+    dists = _distributions(pm)
+    cls_name = type(e).__name__
     resolved: dict[str, ResolvedHook] = {}
     for hook in EXPERIMENT_HOOKS:
-        impls = getattr(pm.hook, hook).get_hookimpls()
-        if not impls:
+        own = _own_method(e, hook)
+        if own is not None:
+            _check_positionals(cls_name, hook, own)
+            resolved[hook] = ResolvedHook(hook, own, "experiment")
             continue
-        by_plugin = {id(i.plugin): i for i in impls}
-        if id(e) in by_plugin:
-            chosen, source = by_plugin[id(e)], "experiment"
-        else:
-            others = [i for i in impls if i.plugin is not defaults]
-            chosen = others[-1] if others else by_plugin[id(defaults)]
-            source = chosen.plugin_name if others else "default"
-        if chosen.plugin is e:
-            function = getattr(type(e), hook)
-        else:
-            function = _unbound(chosen.function)
-        resolved[hook] = ResolvedHook(hook, function, source)
+        impls = getattr(pm.hook, hook).get_hookimpls()
+        if impls:
+            chosen = impls[-1]  # the one pluggy would call first
+            dist, version = dists.get(id(chosen.plugin), ("?", "?"))
+            source = f"plugin {chosen.plugin_name} ({dist} {version})"
+            resolved[hook] = ResolvedHook(hook, chosen.function, source)
+        elif hasattr(defaults, hook):
+            resolved[hook] = ResolvedHook(hook, _unbound(getattr(defaults, hook)), "default")
     return resolved

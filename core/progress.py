@@ -1,12 +1,18 @@
-"""Progress reporting: one reporter for every later call, and notes from inside hooks.
+"""The progress contract: which reporter draws, notes from inside hooks, and the events.
 
-The core never names a concrete reporter. ``"auto"`` (the default) asks the
-``jaxnitro_make_progress_reporter`` extension hook, which the built-in
-``progress`` plugin answers with a tqdm bar in a terminal or notebook and
-silence in CI or captured output.
+The core draws nothing. It keeps the process-wide reporter setting
+(:func:`progress_reporter`), the stack of notes hooks set
+(:func:`with_progress_note`, :func:`progress_note`), and emits the lifecycle
+events a display subscribes to: ``jaxnitro_setup_step`` (each step of
+``Nitro(e)``'s setup), ``jaxnitro_phase_start`` (an epoch's train or
+validate phase begins), ``jaxnitro_progress_note`` (the current note
+changed), plus the run events every plugin sees. The built-in ``progress``
+plugin turns them into one bar per run.
 
 A reporter has ``begin(total, label)``, ``update(position, label)`` and
-``close(label)``; ``position`` is in epochs and may be fractional.
+``close(label)``; ``position`` is in epochs and may be fractional. The
+setting ``"auto"`` (the default) asks the ``jaxnitro_make_progress_reporter``
+hook; the core names no concrete reporter.
 """
 
 from __future__ import annotations
@@ -14,21 +20,21 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["progress_reporter", "with_progress_note", "progress_note", "Progress", "SetupProgress"]
+from .events import emit
+from .plugin_manager import disabled_note, first_result
+
+__all__ = [
+    "SetupSteps",
+    "current_note",
+    "make_reporter",
+    "phase_start",
+    "progress_note",
+    "progress_reporter",
+    "with_progress_note",
+]
 
 _installed: object = "auto"
 _notes = threading.local()
-
-
-class _Silent:
-    def begin(self, total, label):
-        pass
-
-    def update(self, position, label):
-        pass
-
-    def close(self, label):
-        pass
 
 
 def progress_reporter(reporter="auto"):
@@ -54,32 +60,42 @@ def progress_reporter(reporter="auto"):
 
 
 def _make(name: str):
-    from .plugin_manager import first_result
-
     made = first_result("jaxnitro_make_progress_reporter", name=name)
-    if made is None:
-        if name == "auto":
-            return _Silent()
+    if made is None and name != "auto":
         raise ValueError(
-            f"jaxnitro: no plugin provides a progress reporter named {name!r}. Built-in names: "
-            f"'auto', 'tqdm', 'silent'; or pass an object with begin/update/close, or None."
+            f"jaxnitro: no plugin provides a progress reporter named {name!r}{disabled_note()}. "
+            f"Built-in names: 'auto', 'tqdm', 'silent'; or pass an object with begin/update/close, "
+            f"or None."
         )
     return made
 
 
-def current_reporter():
-    """A fresh reporter for one stretch of work, per the installed setting."""
+def make_reporter():
+    """A reporter for one stretch of work per the installed setting; None means silence."""
     if _installed is None:
-        return _Silent()
+        return None
     if isinstance(_installed, str):
         return _make(_installed)
     return _installed
+
+
+# -- notes ---------------------------------------------------------------------------------
 
 
 def _stack() -> list:
     if not hasattr(_notes, "stack"):
         _notes.stack = []
     return _notes.stack
+
+
+def current_note() -> str | None:
+    """The innermost open note of this thread, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def _changed() -> None:
+    emit("jaxnitro_progress_note", note=current_note())
 
 
 @contextlib.contextmanager
@@ -91,12 +107,12 @@ def with_progress_note(note: str):
     """
     stack = _stack()
     stack.append(str(note))
-    _redraw()
+    _changed()
     try:
         yield
     finally:
         stack.pop()
-        _redraw()
+        _changed()
 
 
 def progress_note(note: str) -> None:
@@ -106,86 +122,31 @@ def progress_note(note: str) -> None:
         stack[-1] = str(note)
     else:
         stack.append(str(note))
-    _redraw()
+    _changed()
 
 
-_active: list = []  # the stretch being reported (setup or a run), so notes can redraw it
+# -- events ---------------------------------------------------------------------------------
 
 
-def _redraw() -> None:
-    if _active:
-        _active[-1].note(None)
-
-
-def clear_notes() -> None:
+def phase_start(run, epoch: int, phase: str, detail: str | None = None) -> None:
+    """An epoch's ``phase`` (``"train"``, ``"validate"``) begins: notes left open by earlier
+    work are dropped, then ``jaxnitro_phase_start`` is emitted. ``detail`` says what the
+    phase is doing first (``"compiling train step"``)."""
     _stack().clear()
+    emit("jaxnitro_phase_start", run=run, epoch=epoch, phase=phase, detail=detail)
 
 
-class Progress:
-    """One bar for a whole run: ``total`` epochs, the running stretch interpolated.
+class SetupSteps:
+    """``Nitro(e)``'s setup as ``jaxnitro_setup_step`` events: ``"starting"``, each named step,
+    then ``"done"`` or ``"failed"``."""
 
-    Labels read ``epoch 3/40: train [compiling train step]`` and end
-    ``done: 40/40 epochs``. While it is open, notes from
-    :func:`with_progress_note` / :func:`progress_note` redraw it.
-    """
-
-    def __init__(self, total: int, start: int = 0):
-        self.total = total
-        self.reporter = current_reporter()
-        self.epoch = start
-        self.phase = "setup"
-        self.reporter.begin(total, "setup")
-        _active.append(self)
-
-    def label(self, detail: str | None = None) -> str:
-        notes = _stack()
-        text = f"epoch {self.epoch}/{self.total}: {self.phase}"
-        extra = detail or (notes[-1] if notes else None)
-        return f"{text} [{extra}]" if extra else text
-
-    def phase_start(self, epoch: int, phase: str, detail: str | None = None) -> None:
-        self.epoch, self.phase = epoch, phase
-        clear_notes()
-        self.reporter.update(epoch - 1, self.label(detail))
-
-    def note(self, detail: str | None) -> None:
-        self.reporter.update(max(self.epoch - 1, 0), self.label(detail))
-
-    def advance(self, fraction: float) -> None:
-        self.reporter.update(self.epoch - 1 + min(fraction, 1.0), self.label())
-
-    def close(self, epochs_done: int, status: str = "done") -> None:
-        if self in _active:
-            _active.remove(self)
-        self.reporter.close(f"{status}: {epochs_done}/{self.total} epochs")
-
-
-class SetupProgress:
-    """``Nitro(e)``'s setup as one line: ``setup [building data]`` ... ``setup done``."""
-
-    def __init__(self):
-        self.reporter = current_reporter()
-        self.step = "starting"
-        self.reporter.begin(1, self.label())
-        _active.append(self)
-
-    def label(self, detail: str | None = None) -> str:
-        notes = _stack()
-        extra = detail or (f"{self.step}: {notes[-1]}" if notes else self.step)
-        return f"setup [{extra}]"
+    def __init__(self, experiment):
+        self.experiment = experiment
+        self.to("starting")
 
     def to(self, step: str) -> None:
         """Name the step setup is in now (``"building data"``, ``"building model"``, ...)."""
-        self.step = step
-        self.reporter.update(0, self.label())
-
-    def note(self, detail: str | None) -> None:
-        self.reporter.update(0, self.label(detail))
+        emit("jaxnitro_setup_step", experiment=self.experiment, step=step)
 
     def close(self, ok: bool = True) -> None:
-        if self in _active:
-            _active.remove(self)
-        label = "setup done" if ok else "setup failed"
-        if ok:
-            self.reporter.update(1, label)
-        self.reporter.close(label)
+        self.to("done" if ok else "failed")

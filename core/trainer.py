@@ -24,13 +24,13 @@ import numpy as np
 import structlog
 
 from .batches import batch_width, unwrap
-from .evaluation import evaluate_split, logger_call, logger_verb, make_transfer
-from .plugin_manager import first_result
+from .evaluation import evaluate_split, make_transfer
+from .events import RunContext, StepStretch, emit, emit_finish, run_scoped
+from .logger import LoggerRelay, make_loggers
 from .prefetch import is_addressable
+from .progress import phase_start
 from .routing import KEY_COUNT, KEY_DATA
-from .progress import Progress
 from .schedules import StepValues
-from .show import binding_report_text, params_for_logger
 
 __all__ = ["run_training", "new_run_folder", "READ_EVERY"]
 
@@ -58,65 +58,37 @@ def new_run_folder(root: str) -> str:
             n += 1
 
 
-def make_logger(nitro, run_dir: str):
-    """Turn the resolved ``logger`` knob into a logger object (or None)."""
-    spec = nitro.logger_spec
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        import pathlib
-
-        made = first_result(
-            "jaxnitro_make_logger", name=spec, run_dir=pathlib.Path(run_dir), experiment=nitro.experiment
-        )
-        if made is None:
-            from .plugin_manager import plugins_info
-
-            raise ValueError(
-                f"jaxnitro: no plugin makes a logger named {spec!r}. Loaded plugins: "
-                f"{[p.name for p in plugins_info()]}. Pass `logger=None` to disable logging, "
-                f"'jsonl' for the default, or a logger object."
-            )
-        return made
-    return spec
-
-
 def run_training(nitro) -> None:
     """Run ``nitro``'s training; see :meth:`jaxnitro.Nitro.train`.
 
-    The logger is finished with the run's status whatever happens: ``"done"``,
-    ``"diverged"``, ``"interrupted"`` (Ctrl-C) or ``"failed"`` (an exception,
-    which propagates). A logger error while finishing a run that already failed
-    is reported as a warning, so it never hides the original exception.
+    Emits the lifecycle events (run start, stretches read, epochs trained,
+    splits evaluated, epoch ends, run finish) that loggers, progress, early
+    stopping and other plugins subscribe to. ``jaxnitro_run_finish`` is called
+    with the run's status whatever happens: ``"done"``, ``"diverged"``,
+    ``"interrupted"`` (Ctrl-C) or ``"failed"`` (an exception, which
+    propagates); a plugin failing to finish a run that already failed is
+    reported as a warning, so it never hides the original exception.
     """
     nitro.status = "running"
-    nitro.run_dir = new_run_folder(nitro.run_dir_root)
+    nitro.run_dir = new_run_folder(nitro.settings.run_dir)
+    run = RunContext(nitro, nitro.run_dir)
     status = "failed"
-    progress = None
+    relays: list = []
     try:
-        nitro.logger = make_logger(nitro, nitro.run_dir)
-        progress = Progress(nitro.max_epochs)
-        logger_call(nitro, "log_params", params_for_logger(nitro))
-        logger_call(nitro, "log_other", "binding_report", binding_report_text(nitro))
-        status = _loop(nitro, progress)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
+        nitro.loggers = run.loggers = make_loggers(nitro.settings.logger, nitro.run_dir, nitro.experiment)
+        relays = [LoggerRelay(logger, run) for logger in run.loggers]
+        with run_scoped(relays):
+            try:
+                emit("jaxnitro_run_start", run=run)
+                status = _Run(nitro, run).run()
+            except KeyboardInterrupt:
+                status = "interrupted"
+                raise
+            finally:
+                nitro.status = status
+                emit_finish(run, status)
     finally:
         nitro.status = status
-        if progress is not None:
-            progress.close(nitro.epoch, status)
-        if nitro.logger is not None:
-            try:
-                logger_call(nitro, "finish", status)
-            except Exception as err:
-                if status == "done":
-                    raise
-                log.warning("logger finish failed", status=status, error=repr(err))
-
-
-def _loop(nitro, progress: Progress) -> str:
-    return _Run(nitro, progress).run()
 
 
 class _Run:
@@ -130,13 +102,13 @@ class _Run:
     device wait at an epoch boundary.
     """
 
-    def __init__(self, nitro, progress: Progress):
-        self.nitro, self.progress = nitro, progress
+    def __init__(self, nitro, run: RunContext):
+        self.nitro, self.run_ctx = nitro, run
         train = nitro.data["train"]
         self.train = train
-        self.accum = nitro.accum
+        self.accum = nitro.settings.accum
         self.steps_per_epoch = len(train) // self.accum
-        self.scheds = StepValues(nitro, max(nitro.max_epochs * self.steps_per_epoch, 1))
+        self.scheds = StepValues(nitro, max(nitro.settings.max_epochs * self.steps_per_epoch, 1))
         progs = nitro.programs
         self.o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.accumulate = progs.accumulate().jitted if self.accum > 1 else None
@@ -148,30 +120,29 @@ class _Run:
         if any(nitro.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.routes):
             transfer = _keyed(transfer, nitro.run_key, itertools.count(nitro.step * self.accum))
         self.transfer = transfer
-        self.log = logger_verb(nitro, "log_metrics")
-        self.logged_sched = self.scheds.logged if nitro.autolog_schedules else {}
+        self.logged_sched = self.scheds.logged if nitro.settings.autolog_schedules else {}
         self.pending: list = []
         self.first_unread = nitro.step + 1  # the step number of pending[0]
         self.epoch_ends: list[tuple[int, int]] = []  # (epoch, its last step), rows not yet appended
         self.losses: list[float] = []  # read losses of the oldest epoch without a row
-        if nitro.early_stop is not None and hasattr(nitro.early_stop, "reset"):
-            nitro.early_stop.reset()
 
     # -- the loop ------------------------------------------------------------------------
 
     def run(self) -> str:
         nitro = self.nitro
         validate = "val" in nitro.data
-        for epoch in range(nitro.epoch + 1, nitro.max_epochs + 1):
+        last = nitro.settings.max_epochs
+        for epoch in range(nitro.epoch + 1, last + 1):
             nitro.epoch = epoch
-            self.progress.phase_start(epoch, "train", "compiling train step" if self.step_prog.traces == 0 else None)
-            if self.train_epoch(epoch) or (
-                (validate or epoch == nitro.max_epochs) and self.read(wait=True)
-            ):
+            phase_start(self.run_ctx, epoch, "train", "compiling train step" if self.step_prog.traces == 0 else None)
+            if self.train_epoch(epoch) or ((validate or epoch == last) and self.read(wait=True)):
                 return self.diverged()
-            if validate and self.validate(epoch):
-                return "done"  # early stopping
-            self.progress.advance(1.0)
+            if validate:
+                self.validate(epoch)
+                emit("jaxnitro_epoch_end", run=self.run_ctx, row=nitro.rows[-1])
+            if self.run_ctx.stop_reason is not None:
+                nitro.stop_reason = self.run_ctx.stop_reason
+                return "done"
         return "done"
 
     def train_epoch(self, epoch: int) -> bool:
@@ -181,7 +152,7 @@ class _Run:
         leaves = jax.tree_util.tree_leaves
         params, mstate, opt_state = leaves(nitro.params), leaves(nitro.model_state), leaves(nitro.opt_state)
         acc, micro, step = None, 0, nitro.step
-        epoch_start, wait, diverged = step, 0.0, False
+        wait, diverged = 0.0, False
         t_epoch = t0 = time.perf_counter()
         stream = self.train.epoch(epoch, self.transfer)
         try:
@@ -199,7 +170,6 @@ class _Run:
                     self.pending.append(aux)
                     if len(self.pending) >= READ_EVERY:
                         diverged = self.read(wait=False)
-                        self.progress.advance((step - epoch_start) / self.steps_per_epoch)
                         if diverged:
                             break
                 t0 = time.perf_counter()
@@ -209,10 +179,10 @@ class _Run:
             nitro.step = step
         self.epoch_ends.append((epoch, step))
         if self.first_unread > step:  # its last step was already read during the epoch
-            self._close_epoch()
+            self._emit_unvalidated_end(self._close_epoch())
         elapsed = time.perf_counter() - t_epoch
-        logger_call(nitro, "log_metrics", {"data_wait_frac": wait / elapsed if elapsed else 0.0},
-                    step=step, epoch=epoch, context="data")
+        stats = {"data_wait_frac": wait / elapsed if elapsed else 0.0}
+        emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats)
         return diverged
 
     def publish(self, p, s, o) -> None:
@@ -248,35 +218,49 @@ class _Run:
         return False
 
     def _process(self, n: int) -> bool:
-        """Fetch the oldest ``n`` pending vectors; log train lines; append finished epochs' rows."""
+        """Fetch the oldest ``n`` pending vectors; emit them as a stretch; append finished
+        epochs' rows. True on a non-finite loss (the steps before it are still emitted)."""
         nitro = self.nitro
         ready, self.pending = self.pending[:n], self.pending[n:]
         values = np.stack([np.asarray(a) for a in ready]).tolist()  # ~10x cheaper than device_get
-        names = self.step_prog.meta.get("aux_names", ("loss",))
-        log, log_every, check = self.log, nitro.log_every_n_steps, nitro.check_divergence
+        check = nitro.settings.check_divergence
+        first, rows, epochs, closed, diverged = self.first_unread, [], [], [], False
         for row in values:
             s = self.first_unread
-            self.first_unread += 1
             epoch = self.epoch_ends[0][0] if self.epoch_ends else nitro.epoch
             loss = row[0]
             if check and not math.isfinite(loss):
                 nitro.diverged_step, nitro.diverged_epoch = s, epoch
-                return True
+                diverged = True
+                break
+            self.first_unread += 1
             self.losses.append(loss)
-            if log is not None and s % log_every == 0:
-                line = dict(zip(names, row))
-                for key, table in self.logged_sched.items():
-                    line[key] = float(table[min(s - 1, len(table) - 1)])
-                log(line, step=s, epoch=epoch, context="train")
+            rows.append(row)
+            epochs.append(epoch)
             if self.epoch_ends and s == self.epoch_ends[0][1]:
-                self._close_epoch()
-        return False
+                closed.append(self._close_epoch())
+        if rows:
+            names = self.step_prog.meta.get("aux_names", ("loss",))
+            stretch = StepStretch(first, tuple(names), rows, epochs, self.logged_sched)
+            emit("jaxnitro_steps_read", run=self.run_ctx, stretch=stretch)
+        for row in closed:
+            self._emit_unvalidated_end(row)
+        return diverged
 
-    def _close_epoch(self) -> None:
-        """Append the history row of the oldest finished epoch whose steps have all been read."""
+    def _close_epoch(self) -> dict:
+        """Append and return the history row of the oldest finished epoch whose steps have all
+        been read."""
         epoch, last = self.epoch_ends.pop(0)
-        self.nitro.rows.append({"epoch": epoch, "step": last, "train_loss": float(np.mean(self.losses))})
+        row = {"epoch": epoch, "step": last, "train_loss": float(np.mean(self.losses))}
+        self.nitro.rows.append(row)
         self.losses = []
+        return row
+
+    def _emit_unvalidated_end(self, row: dict) -> None:
+        """``jaxnitro_epoch_end`` for an epoch without validation (a validated epoch gets it
+        from :meth:`run`, once its metrics are in the row)."""
+        if "val" not in self.nitro.data:
+            emit("jaxnitro_epoch_end", run=self.run_ctx, row=row)
 
     # -- epoch end ----------------------------------------------------------------------------
 
@@ -294,27 +278,21 @@ class _Run:
         nitro.rows.append({"epoch": nitro.diverged_epoch, "step": nitro.diverged_step, "train_loss": train_loss})
         return "diverged"
 
-    def validate(self, epoch: int) -> bool:
-        """Validate the epoch, merge its metrics into its row; True if early stopping fires."""
+    def validate(self, epoch: int) -> None:
+        """Validate the epoch, emit the split's metrics and merge them into the epoch's row."""
         nitro = self.nitro
         forward_compiles = nitro.programs.forward().traces == 0
-        self.progress.phase_start(epoch, "validate", "compiling forward" if forward_compiles else None)
-        metrics = evaluate_split(nitro, "val", log_context="validate")
+        phase_start(self.run_ctx, epoch, "validate", "compiling forward" if forward_compiles else None)
+        metrics = evaluate_split(nitro, "val")
+        emit("jaxnitro_split_evaluated", run=self.run_ctx, split="val", metrics=metrics, context="validate")
         nitro.rows[-1].update(metrics)
-        if nitro.monitor is None:
-            return False
-        name, mode = nitro.monitor
-        if name not in metrics:
+        monitor = nitro.settings.monitor
+        if monitor is not None and monitor[0] not in metrics:
             raise KeyError(
-                f"jaxnitro: `monitor` names {name!r}, but the validation metrics are "
+                f"jaxnitro: `monitor` names {monitor[0]!r}, but the validation metrics are "
                 f"{sorted(metrics)} (what finalize_metrics returned). Return it from "
                 f"`finalize_metrics`/`metrics`, or monitor one of those."
             )
-        early = nitro.early_stop
-        if early is not None and early.should_stop(epoch, metrics[name], mode):
-            nitro.stop_reason = f"early stopping: {name} did not improve for {getattr(early, 'patience', '?')} epochs"
-            return True
-        return False
 
 
 def _keyed(transfer, key_data, counter):

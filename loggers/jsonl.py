@@ -1,6 +1,7 @@
 """The default logger: one JSON object per line in ``metrics.jsonl``.
 
-Registered as the entry point ``jsonl`` in group ``jaxnitro``. The hook
+Registered as the entry point ``jsonl`` in group ``jaxnitro``; it is the default
+logger (``jaxnitro_default_logger`` answers ``"jsonl"``, trylast). The hook
 :func:`jaxnitro_make_logger` answers the names ``"jsonl"`` and ``"json"``
 with a :class:`JSONLLogger` writing ``run_dir / "metrics.jsonl"``.
 
@@ -317,7 +318,7 @@ def _restore(v: Any) -> Any:
     return v
 
 
-@hookimpl
+@hookimpl(trylast=True)
 def jaxnitro_make_logger(name, run_dir, experiment):
     """Return a :class:`JSONLLogger` on ``run_dir / "metrics.jsonl"`` for ``"jsonl"``/``"json"``.
 
@@ -327,3 +328,9 @@ def jaxnitro_make_logger(name, run_dir, experiment):
     if not isinstance(name, str) or name.lower() not in ("jsonl", "json"):
         return None
     return JSONLLogger(Path(run_dir) / "metrics.jsonl")
+
+
+@hookimpl(trylast=True)
+def jaxnitro_default_logger():
+    """The default logger of a run whose ``logger`` knob is not set: ``"jsonl"``."""
+    return "jsonl"

@@ -1,7 +1,18 @@
-"""The default progress reporters: a tqdm bar for the whole run, or silence.
+"""Progress: one bar for a whole run (tqdm) or silence, drawn from lifecycle events.
 
-Registered as the entry point ``progress`` in group ``jaxnitro``. The hook
-:func:`jaxnitro_make_progress_reporter` answers:
+Registered as the entry point ``progress`` in group ``jaxnitro``. Two jobs:
+
+**The display.** It subscribes to ``jaxnitro_setup_step`` (``setup [building
+data]`` ... ``setup done``), ``jaxnitro_run_start``, ``jaxnitro_phase_start``
+(``epoch 3/40: train [compiling train step]``), ``jaxnitro_steps_read`` (the
+bar moves to the last step read back), ``jaxnitro_epoch_end``,
+``jaxnitro_progress_note`` (a note from a hook redraws at once) and
+``jaxnitro_run_finish`` (``done: 40/40 epochs``). It draws on the reporter
+the core's setting chooses (``jn.progress_reporter``; ``"auto"`` by
+default, asked through the hook below, so a plugin answering ``"auto"``
+replaces the bar without replacing the display).
+
+**The reporters.** The hook :func:`jaxnitro_make_progress_reporter` answers:
 
 * ``"tqdm"``: a :class:`TqdmReporter` (terminal, or a widget in a notebook);
 * ``"silent"`` / ``"none"``: a :class:`SilentReporter`;
@@ -23,6 +34,7 @@ import time
 from typing import IO, Any
 
 from jaxnitro.hookspecs import hookimpl
+from jaxnitro.progress import current_note, make_reporter
 
 __all__ = [
     "TqdmReporter",
@@ -225,7 +237,7 @@ def auto_wants_bar() -> bool:
         return False
 
 
-@hookimpl
+@hookimpl(trylast=True)
 def jaxnitro_make_progress_reporter(name):
     """Return the built-in reporter for ``name``, or ``None`` if ``name`` is not ours.
 
@@ -243,3 +255,130 @@ def jaxnitro_make_progress_reporter(name):
     if key == "auto":
         return TqdmReporter() if auto_wants_bar() else SilentReporter()
     return None
+
+
+# -- the display: lifecycle events -> one reporter per stretch of work ------------------------
+
+
+class _SetupDisplay:
+    """``Nitro(e)``'s setup as one line: ``setup [building data]`` ... ``setup done``."""
+
+    def __init__(self, reporter):
+        self.reporter, self.step = reporter, "starting"
+        reporter.begin(1, self.label())
+
+    def label(self) -> str:
+        note = current_note()
+        return f"setup [{self.step}: {note}]" if note else f"setup [{self.step}]"
+
+    def to(self, step: str) -> None:
+        self.step = step
+        self.redraw()
+
+    def redraw(self) -> None:
+        self.reporter.update(0, self.label())
+
+    def close(self, ok: bool) -> None:
+        label = "setup done" if ok else "setup failed"
+        if ok:
+            self.reporter.update(1, label)
+        self.reporter.close(label)
+
+
+class _RunDisplay:
+    """One bar for a whole run: ``total`` epochs, the read steps interpolated.
+
+    Labels read ``epoch 3/40: train [compiling train step]`` and end
+    ``done: 40/40 epochs``. The position is the last step read back from the
+    device (not merely dispatched), in epochs.
+    """
+
+    def __init__(self, reporter, total: int, steps_per_epoch: int):
+        self.reporter, self.total, self.steps_per_epoch = reporter, total, max(steps_per_epoch, 1)
+        self.epoch, self.phase, self.detail, self.position = 0, "setup", None, 0.0
+        reporter.begin(total, "setup")
+
+    def label(self) -> str:
+        text = f"epoch {self.epoch}/{self.total}: {self.phase}"
+        extra = self.detail or current_note()
+        return f"{text} [{extra}]" if extra else text
+
+    def phase_start(self, epoch: int, phase: str, detail: str | None) -> None:
+        self.epoch, self.phase, self.detail = epoch, phase, detail
+        self.move(epoch - 1)
+
+    def move(self, position: float) -> None:
+        self.position = max(self.position, min(position, float(self.epoch)))
+        self.reporter.update(self.position, self.label())
+
+    def redraw(self) -> None:
+        self.detail = None  # a note replaces the phase's first detail
+        self.reporter.update(self.position, self.label())
+
+    def close(self, status: str, epochs_done: int) -> None:
+        self.reporter.close(f"{status}: {epochs_done}/{self.total} epochs")
+
+
+_displays: list = []  # open displays, innermost last (a handle built inside a hook nests)
+_runs: dict = {}  # id(run) -> its display
+
+
+@hookimpl(trylast=True)
+def jaxnitro_setup_step(experiment, step):
+    if step == "starting":
+        reporter = make_reporter()
+        _displays.append(_SetupDisplay(reporter) if reporter is not None else None)
+        return
+    display = _displays[-1] if _displays else None
+    if step in ("done", "failed"):
+        if _displays:
+            _displays.pop()
+        if display is not None:
+            display.close(step == "done")
+    elif display is not None:
+        display.to(step)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_run_start(run):
+    reporter = make_reporter()
+    display = _RunDisplay(reporter, run.settings.max_epochs, run.steps_per_epoch) if reporter else None
+    _runs[id(run)] = display
+    _displays.append(display)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_phase_start(run, epoch, phase, detail):
+    display = _runs.get(id(run))
+    if display is not None:
+        display.phase_start(epoch, phase, detail)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_steps_read(run, stretch):
+    display = _runs.get(id(run))
+    if display is not None and len(stretch):
+        display.move((stretch.first_step + len(stretch) - 1) / display.steps_per_epoch)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_epoch_end(run, row):
+    display = _runs.get(id(run))
+    if display is not None:
+        display.move(float(row["epoch"]))
+
+
+@hookimpl(trylast=True)
+def jaxnitro_progress_note(note):
+    display = _displays[-1] if _displays else None
+    if display is not None:
+        display.redraw()
+
+
+@hookimpl(trylast=True)
+def jaxnitro_run_finish(run, status):
+    display = _runs.pop(id(run), None)
+    if display in _displays:
+        _displays.remove(display)
+    if display is not None:
+        display.close(status, run.nitro.epoch)

@@ -43,7 +43,7 @@ def test_train_batch_count_not_divisible_by_accum(tmp_path):
 
 
 def test_accum_that_divides_is_accepted(tmp_path):
-    assert jn.Nitro(Tiny(), run_dir=tmp_path, accum=3, logger=None).accum == 3
+    assert jn.Nitro(Tiny(), run_dir=tmp_path, accum=3, logger=None).settings.accum == 3
 
 
 # -- routing -------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def test_batch_field_taken_positionally_is_refused_at_setup(tmp_path):
     with pytest.raises(TypeError) as err:
         jn.Nitro(Positional(), run_dir=tmp_path)
     msg = message(err)
-    assert "hook `loss` of experiment:Positional takes positional parameters ('self', 'logits', 'label')" in msg
+    assert "hook `loss` of Positional takes positional parameters ('self', 'logits', 'label')" in msg
     assert "`loss(self, outputs, *, <batch fields>)`" in msg and "keyword-only parameters (after `*`)" in msg
 
 

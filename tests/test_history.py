@@ -1,4 +1,5 @@
-"""MetricHistory: selection semantics, best epoch, the printed table, conversions, errors."""
+"""MetricHistory: selection semantics, best epoch, the printed table, conversions, errors,
+and the rendering contract (plugin `history_table`, fallback, a third-party renderer)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+import jaxnitro
 from jaxnitro.history import MetricHistory
+from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugins import history_table
 
 
 def mnist_like(n: int = 25, best: int = 20, **kwargs) -> MetricHistory:
@@ -393,3 +397,117 @@ def test_to_csv(tmp_path):
         ["1", "10", "0.5", "0.25"],
         ["2", "20", "nan", "nan"],
     ]
+
+
+# -- rendering through the plugin hook ------------------------------------------------------
+
+
+@pytest.fixture
+def history_table_disabled(monkeypatch):
+    """The built-in renderer blocked by JAXNITRO_DISABLE_PLUGINS, restored afterwards."""
+    monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", "history_table")
+    jaxnitro.reload_plugins()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        jaxnitro.reload_plugins()
+
+
+@pytest.fixture
+def register_plugin():
+    """``register_plugin(obj)`` registers ``obj`` at runtime; it is unregistered afterwards."""
+    pm = jaxnitro.plugin_manager.plugin_manager()
+    names = []
+
+    def register(obj, name="x"):
+        pm.register(obj, name=name)
+        names.append(name)
+        return obj
+
+    try:
+        yield register
+    finally:
+        for name in names:
+            pm.unregister(name=name)
+
+
+def test_history_table_plugin_is_loaded_and_declines_other_formats():
+    pm = jaxnitro.plugin_manager.plugin_manager()
+    assert pm.get_plugin("history_table") is history_table
+    h = mnist_like(3)
+    assert history_table.jaxnitro_render_history(h, "latex", {}) is None
+    assert history_table.jaxnitro_render_history(h, "text", {"width": 100}) == h.table(width=100)
+
+
+def test_without_the_plugin_outputs_raise_and_display_falls_back(history_table_disabled, tmp_path):
+    h = mnist_like(5, title="history of MLP", run_dir="runs/x")
+    calls = {
+        "text": lambda: h.table(width=100),
+        "pandas": h.to_pandas,
+        "csv": lambda: h.to_csv(tmp_path / "run.csv"),
+    }
+    for format, call in calls.items():
+        with pytest.raises(RuntimeError) as info:
+            call()
+        message = str(info.value)
+        assert f"no plugin renders histories as {format!r}" in message
+        assert "built-in plugin `history_table`" in message
+        assert "(plugins disabled by JAXNITRO_DISABLE_PLUGINS: history_table)" in message
+    assert not (tmp_path / "run.csv").exists()
+
+    text = str(h)
+    assert text == repr(h)
+    assert text == (
+        "MetricHistory 'history of MLP' (runs/x): 5 epochs, columns epoch, step, train_loss, "
+        "macro_recall, acc, confusion; best epoch 5 by macro_recall (max) "
+        "[no plugin renders histories as 'text']"
+    )
+    page = h._repr_html_()
+    assert page.startswith("<pre>") and "<table>" not in page
+    assert "[no plugin renders histories as &#x27;html&#x27;]" in page
+    empty = MetricHistory([], title="<h>")
+    assert str(empty).startswith("MetricHistory '<h>': no epochs yet, columns epoch, step")
+    assert "&lt;h&gt;" in empty._repr_html_()
+
+
+def test_a_third_party_renderer_wins_over_the_built_in(register_plugin):
+    seen = []
+
+    class Shouting:
+        @hookimpl
+        def jaxnitro_render_history(self, history, format, options):
+            seen.append((format, dict(options)))
+            return f"{len(history)} EPOCHS" if format == "text" else None
+
+    h = mnist_like(4)
+    built_in = h.table(width=100, max_rows=10)
+    register_plugin(Shouting())
+    assert str(h) == repr(h) == "4 EPOCHS"
+    assert h.table(width=100, max_rows=10) == "4 EPOCHS" != built_in
+    assert "<table>" in h._repr_html_()  # "html" declined: the built-in answers
+    assert seen == [("text", {}), ("text", {}), ("text", {"width": 100, "max_rows": 10}),
+                    ("html", {})]
+
+
+def test_a_failing_renderer_does_not_break_display(register_plugin):
+    class Broken:
+        @hookimpl
+        def jaxnitro_render_history(self, history, format, options):
+            raise ValueError("boom")
+
+    h = mnist_like(2)
+    register_plugin(Broken(), name="broken")
+    assert str(h).endswith("; best epoch 2 by macro_recall (max) [rendering failed: ValueError: boom]")
+    assert "rendering failed: ValueError: boom" in h._repr_html_()
+    with pytest.raises(ValueError, match="boom"):
+        h.table()
+
+
+def test_public_accessors_the_renderer_reads():
+    h = mnist_like(25, best=20)
+    assert h.scalar_columns == ["epoch", "step", "train_loss", "macro_recall", "acc"]
+    assert h.best_position == 19 and h[h.best_position]["epoch"] == h.best_epoch == 20
+    assert h[3:8].best_position == 5 and h["acc"].best_position is None
+    assert MetricHistory.reads_as_attribute("acc")
+    assert not any(MetricHistory.reads_as_attribute(n) for n in ("per class", "table", "_x", "class"))

@@ -180,7 +180,7 @@ def test_third_party_plugin_is_discovered_and_used(tmp_path):
         assert not os.path.exists(os.path.join(n.run_dir, "metrics.jsonl")), "jsonl was not asked for"
 
         # its experiment-hook default is used where the experiment has none ...
-        assert n.hooks["finalize_metrics"].source == "memory"
+        assert n.hooks["finalize_metrics"].source == "plugin memory (jaxnitro-memlog 0.1)"
         assert validate[0][4]["finalized_by"] == "memlog" and validate[0][4]["split_seen"] == "val"
         assert n.history()[-1]["finalized_by"] == "memlog"
         # ... and the experiment's own method wins over it
@@ -206,7 +206,8 @@ def test_disabling_the_third_party_plugin_by_name(tmp_path):
         with pytest.raises(ValueError) as err:
             jn.train(Tiny(), logger="memory", run_dir=tmp_path / "runs", max_epochs=1)
         msg = str(err.value)
-        assert "no plugin makes a logger named 'memory'" in msg and "'jsonl'" in msg and "logger=None" in msg
+        assert "logger 'memory' (keyword) comes from the plugin `memory`, which is disabled" in msg
+        assert "JAXNITRO_DISABLE_PLUGINS: memory" in msg and "logger=None" in msg
         assert jn.Nitro(Tiny(), run_dir=tmp_path, logger=None).hooks["finalize_metrics"].source == "default"
     with installed_plugin(tmp_path, disable=" progress , memory "):
         assert "memory" not in names() and "progress" not in names() and "jsonl" in names()
@@ -216,9 +217,13 @@ def test_disabling_a_builtin_plugin(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", "jsonl")
     jn.reload_plugins()
     assert "jsonl" not in names() and "progress" in names()
-    with pytest.raises(ValueError, match=r"no plugin makes a logger named 'jsonl'"):
-        jn.train(Tiny(), run_dir=tmp_path, max_epochs=1)
-    assert jn.train(Tiny(), run_dir=tmp_path, max_epochs=1, logger=None).status == "done"
+    # the core still trains: no plugin names a default logger, so the run logs nothing
+    n = jn.train(Tiny(), run_dir=tmp_path, max_epochs=1)
+    assert n.status == "done" and n.settings.logger is None and n.loggers == []
+    assert not os.path.exists(os.path.join(n.run_dir, "metrics.jsonl"))
+    # asking for it by name is refused at setup, naming the disabled plugin
+    with pytest.raises(ValueError, match=r"logger 'jsonl' \(keyword\) comes from the plugin `jsonl`, which is disabled"):
+        jn.Nitro(Tiny(), run_dir=tmp_path, logger="jsonl")
     monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS")
     jn.reload_plugins()
     assert "jsonl" in names()

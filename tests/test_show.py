@@ -10,6 +10,7 @@ import optax
 import jaxnitro as jn
 from jaxnitro import Device, GraphConst
 from jaxnitro.loggers.jsonl import read_jsonl
+from jaxnitro.plugins.report import handle_bands
 
 from tiny import N_CLASSES, N_FEATURES, Tiny, tiny_data
 
@@ -19,7 +20,7 @@ TINY_PARAMS = N_FEATURES * 16 + 16 + 16 * N_CLASSES + N_CLASSES  # 212
 
 def band(nitro, title: str) -> dict:
     """``{first cell: row}`` of the band titled ``title``."""
-    (b,) = [b for b in nitro.bands() if b.title == title]
+    (b,) = [b for b in handle_bands(nitro) if b.title == title]
     return {row[0]: row for row in b.rows}
 
 
@@ -164,8 +165,8 @@ def test_repr_html_has_tables(tmp_path):
     n = jn.Nitro(Shown(), run_dir=tmp_path, logger=None)
     html = n._repr_html_()
     assert html.startswith("<pre>Nitro(Shown)")
-    assert html.count("<table>") == 4
-    for title in ("data", "routing", "bindings", "parameter groups"):
+    assert html.count("<table>") == 5
+    for title in ("data", "routing", "hooks not defined by the experiment", "bindings", "parameter groups"):
         assert f"<strong>{title}</strong>" in html
     assert "<td>head</td>" in html and "<td>adam</td>" in html
     assert "x, mask (optional)" in html

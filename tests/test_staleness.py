@@ -145,7 +145,7 @@ def test_accessor_returning_a_new_value_is_reported_and_the_old_value_kept(tmp_p
             return 2
 
     n = jn.Nitro(WithAccum(), run_dir=tmp_path, logger=None)
-    assert n.accum == 2 and n.knobs["accum"].source == "accessor"
+    assert n.settings.accum == 2 and n.settings.knobs["accum"].source == "accessor"
 
     monkeypatch.setattr(WithAccum, "accum", lambda self: 2)  # redefined, same answer: silent
     n.validate()
@@ -159,7 +159,7 @@ def test_accessor_returning_a_new_value_is_reported_and_the_old_value_kept(tmp_p
         assert "`accum` returned 2 at construction and returns 4 now" in err
         assert "still uses 2" in err and "rebuild to pick up 4" in err
         assert "hooks were redefined" not in err  # an accessor is a knob, reported as such
-    assert n.accum == 2 and n.step == 3  # 6 batches, 2 per optimizer step
+    assert n.settings.accum == 2 and n.step == 3  # 6 batches, 2 per optimizer step
 
 
 def test_set_config_report_silences_the_report(tmp_path, capsys, monkeypatch):
@@ -226,13 +226,13 @@ def test_run_knob_precedence_and_sources(tmp_path):
             return 2
 
     n = jn.Nitro(Knobs(), data=DATA, run_dir=tmp_path, logger=None)
-    assert (n.max_epochs, n.knobs["max_epochs"].source) == (3, "field")
-    assert (n.seed, n.knobs["seed"].source) == (11, "field")
-    assert (n.accum, n.knobs["accum"].source) == (2, "accessor")
-    assert (n.gradient_clip_norm, n.knobs["gradient_clip_norm"].source) == (0.0, "default")
+    assert (n.settings.max_epochs, n.settings.knobs["max_epochs"].source) == (3, "field")
+    assert (n.settings.seed, n.settings.knobs["seed"].source) == (11, "field")
+    assert (n.settings.accum, n.settings.knobs["accum"].source) == (2, "accessor")
+    assert (n.settings.gradient_clip_norm, n.settings.knobs["gradient_clip_norm"].source) == (0.0, "default")
     k = jn.Nitro(Knobs(), data=DATA, run_dir=tmp_path, logger=None, accum=3, seed=5, max_epochs=1)
-    assert (k.accum, k.seed, k.max_epochs) == (3, 5, 1)
-    assert {k.knobs[x].source for x in ("accum", "seed", "max_epochs")} == {"keyword"}
+    assert (k.settings.accum, k.settings.seed, k.settings.max_epochs) == (3, 5, 1)
+    assert {k.settings.knobs[x].source for x in ("accum", "seed", "max_epochs")} == {"keyword"}
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """The stale-handle report: what was redefined since a handle was built.
 
-A handle keeps what it resolved at construction. When, afterwards, a hook is
-redefined (a monkeypatched method, or the experiment class redefined by
-re-running a notebook cell) or a scalar run-knob accessor answers
-differently, every entry point prints what changed and how to rebuild.
-Silent when nothing changed; ``jn.set_config_report(False)`` silences it.
+Entry point ``staleness``, on the ``jaxnitro_before_verb`` lifecycle hook.
+A handle keeps what it resolved at construction (its experiment hooks and
+each run knob's value and accessor). When, afterwards, a hook is redefined (a
+monkeypatched method, or the experiment class redefined by re-running a
+notebook cell) or a scalar run-knob accessor answers differently, every verb
+prints to stderr what changed and how to rebuild. Silent when nothing
+changed; ``jn.set_config_report(False)`` (exported by this plugin) silences it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from .experiment import is_experiment
-from .hookspecs import EXPERIMENT_HOOKS
-from .knobs import SCALAR_KNOBS
+from jaxnitro.experiment import is_experiment
+from jaxnitro.hookspecs import EXPERIMENT_HOOKS, hookimpl
+from jaxnitro.knobs import SCALAR_KNOBS
 
 __all__ = ["Snapshot", "set_config_report"]
 
@@ -44,15 +46,18 @@ class Snapshot:
     knobs: dict  # knob name -> (accessor function, value at construction)
 
     @classmethod
-    def take(cls, nitro) -> "Snapshot":
-        e_cls = type(nitro.experiment)
-        hooks = {h: getattr(e_cls, h, None) for h in EXPERIMENT_HOOKS}
+    def of(cls, nitro) -> "Snapshot":
+        """What ``nitro`` resolved at construction, read from its own record."""
+        hooks = {
+            h: (nitro.hooks[h].function if h in nitro.hooks and nitro.hooks[h].source == "experiment" else None)
+            for h in EXPERIMENT_HOOKS
+        }
         knobs = {
             name: (r.accessor, r.value)
-            for name, r in nitro.knobs.items()
+            for name, r in nitro.settings.knobs.items()
             if r.source == "accessor" and name in SCALAR_KNOBS
         }
-        return cls(e_cls, hooks, knobs)
+        return cls(type(nitro.experiment), hooks, knobs)
 
     def changes(self, nitro) -> list[str]:
         """Lines describing what changed since construction (empty when nothing did)."""
@@ -99,8 +104,7 @@ class Snapshot:
         return lines
 
     def report(self, nitro, verb: str) -> None:
-        if not _enabled:
-            return
+        """Print the changes (if any) to stderr, naming the verb that noticed them."""
         lines = self.changes(nitro)
         if not lines:
             return
@@ -112,3 +116,14 @@ class Snapshot:
             f"for what it holds."
         )
         print("\n  ".join([head] + lines), file=sys.stderr)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_exports():
+    return {"set_config_report": set_config_report}
+
+
+@hookimpl(trylast=True)
+def jaxnitro_before_verb(nitro, verb):
+    if _enabled:
+        Snapshot.of(nitro).report(nitro, verb)

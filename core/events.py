@@ -1,0 +1,140 @@
+"""The run's door to the plugins: lifecycle events and the objects they carry.
+
+The loop, evaluation and the handle call :func:`emit` (one lifecycle hook,
+every plugin) and :func:`emit_finish` (every plugin, even if one fails). A
+:class:`RunContext` is what a plugin sees of a run; a :class:`StepStretch`
+is one stretch of read optimizer steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from .plugin_manager import plugin_manager
+
+__all__ = ["RunContext", "StepStretch", "emit", "emit_finish", "run_scoped"]
+
+log = structlog.get_logger("jaxnitro")
+
+
+@dataclass
+class RunContext:
+    """One ``train()`` as plugins see it.
+
+    - ``nitro``: the handle (its data, hooks, state and history rows);
+    - ``run_dir``: the run's own folder (absolute ``str``, created);
+    - ``settings``: the resolved run knobs (:class:`jaxnitro.Settings`);
+    - ``loggers``: the run's logger objects, in the order they were made;
+    - ``stop_reason``: set by :meth:`request_stop`.
+    """
+
+    nitro: object
+    run_dir: str
+    loggers: list = field(default_factory=list)
+    stop_reason: str | None = None
+
+    @property
+    def settings(self):
+        return self.nitro.settings
+
+    @property
+    def monitor(self) -> tuple[str, str] | None:
+        """``(metric, "max" | "min")`` from the experiment's ``monitor`` hook, or None."""
+        return self.nitro.settings.monitor
+
+    @property
+    def experiment(self):
+        return self.nitro.experiment
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch (the train split's batches // ``accum``)."""
+        return len(self.nitro.data["train"]) // self.nitro.settings.accum
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to end the run after this epoch, with status ``"done"``; the first
+        request's reason is kept (``nitro.stop_reason``)."""
+        if self.stop_reason is None:
+            self.stop_reason = str(reason)
+
+
+@dataclass(frozen=True)
+class StepStretch:
+    """Consecutive optimizer steps read back from the device.
+
+    ``first_step`` is the step number of ``rows[0]``; ``rows[i]`` holds the
+    values named by ``names`` (``loss`` first, then ``train_metrics``);
+    ``epochs[i]`` is step ``first_step + i``'s epoch; ``schedules`` maps a
+    varying schedule's log name (``schedule/<group>/<hyper>``,
+    ``schedule/<field>``) to its per-step table, indexed by ``step - 1``.
+    """
+
+    first_step: int
+    names: tuple[str, ...]
+    rows: list[list[float]]
+    epochs: list[int]
+    schedules: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def lines(self, every: int = 1) -> Iterator[tuple[int, int, dict]]:
+        """``(step, epoch, {name: value})`` for the steps divisible by ``every``."""
+        names, sched = self.names, self.schedules
+        for i, row in enumerate(self.rows):
+            step = self.first_step + i
+            if step % every:
+                continue
+            line = dict(zip(names, row))
+            for key, table in sched.items():
+                line[key] = float(table[min(step - 1, len(table) - 1)])
+            yield step, self.epochs[i], line
+
+
+def emit(hook: str, **kwargs) -> None:
+    """Call lifecycle hook ``hook`` on every plugin (pluggy's order); exceptions propagate."""
+    getattr(plugin_manager().hook, hook)(**kwargs)
+
+
+def emit_finish(run: RunContext, status: str) -> None:
+    """``jaxnitro_run_finish`` on every plugin, each called even if another raised.
+
+    With status ``"done"`` the first error is raised after all were called; with
+    any other status the run already has its own outcome (or exception), so
+    errors are reported as warnings and never hide it.
+    """
+    errors = []
+    given = {"run": run, "status": status}
+    for impl in reversed(plugin_manager().hook.jaxnitro_run_finish.get_hookimpls()):
+        try:
+            impl.function(*(given[a] for a in impl.argnames))
+        except Exception as err:  # noqa: BLE001 - every plugin gets to finish
+            errors.append((impl.plugin_name, err))
+    for name, err in errors:
+        if status == "done":
+            raise err
+        log.warning("plugin failed to finish the run", plugin=name, status=status, error=repr(err))
+        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({status}): {err!r}", RuntimeWarning)
+
+
+class run_scoped:
+    """``with run_scoped(objs):`` registers ``objs`` as plugins for the block (a run's loggers)."""
+
+    def __init__(self, plugins: list):
+        self.plugins = plugins
+
+    def __enter__(self):
+        pm = plugin_manager()
+        for p in self.plugins:
+            pm.register(p, name=f"run-scoped-{id(p)}")
+        return self
+
+    def __exit__(self, *exc):
+        pm = plugin_manager()
+        for p in self.plugins:
+            if pm.is_registered(p):
+                pm.unregister(p)

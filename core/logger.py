@@ -1,0 +1,220 @@
+"""The logger contract: loggers made by name through plugins, and driven by lifecycle events.
+
+A logger is any object with the verbs the framework calls (no base class):
+``log_params(params)``, ``log_other(key, value)``,
+``log_metrics(metrics, *, step, epoch, context)`` and ``finish(status)``;
+optionally ``info()`` (identifying parameters) and ``backend`` (a wrapped
+tracker object). The ``logger`` run knob is a name (made by the
+``jaxnitro_make_logger`` hook), a logger object, a list of those (several
+loggers at once), or ``None``. Left unset, the ``jaxnitro_default_logger``
+hook names it; the core names no logger.
+
+Each logger of a run is wrapped in a :class:`LoggerRelay`, a run-scoped plugin
+that turns lifecycle events into verbs: ``params`` and the binding report at
+run start, a ``train`` line per step (every ``log_every_n_steps``-th) per
+stretch read, a ``data`` line per epoch trained, a ``validate`` line per
+validation, ``finish(status)`` at the end.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+
+from .experiment import fields_of, summarize_value
+from .hookspecs import hookimpl
+from .plugin_manager import disabled_note, first_result, plugins_info
+
+__all__ = [
+    "DEFAULT_LOGGER",
+    "LOGGER_VERBS",
+    "LoggerRelay",
+    "backend",
+    "check_logger_knob",
+    "logger_info",
+    "make_loggers",
+    "run_params",
+]
+
+LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
+
+
+class _DefaultLogger:
+    """The ``logger`` knob's default: whatever the ``jaxnitro_default_logger`` hook names."""
+
+    def __repr__(self) -> str:
+        return "<default logger>"
+
+
+DEFAULT_LOGGER = _DefaultLogger()
+
+
+def _as_list(spec) -> list:
+    if spec is None:
+        return []
+    return list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+
+def check_logger_knob(spec, source: str):
+    """Resolve the default and check every entry of the ``logger`` knob at setup.
+
+    Returns the knob with the default replaced by the name the plugins choose
+    (``None`` when no plugin names one). Raises ``ValueError`` for a name whose
+    plugin is disabled, and ``AttributeError`` for a logger object lacking a verb.
+    """
+    if spec is DEFAULT_LOGGER:
+        return first_result("jaxnitro_default_logger")
+    from .plugin_manager import plugin_manager
+
+    for entry in _as_list(spec):
+        if isinstance(entry, str):
+            if plugin_manager().is_blocked(entry):
+                raise ValueError(
+                    f"jaxnitro: logger {entry!r} ({source}) comes from the plugin `{entry}`, which is "
+                    f"disabled{disabled_note()}. Enable it, or choose another logger (logger=None "
+                    f"turns logging off)."
+                )
+        else:
+            for verb in LOGGER_VERBS:
+                verb_of(entry, verb)
+    return spec
+
+
+def verb_of(logger, verb: str):
+    """``logger.<verb>``; a logger lacking the verb raises ``AttributeError`` naming it and the fix."""
+    fn = getattr(logger, verb, None)
+    if fn is None:
+        raise AttributeError(
+            f"jaxnitro: the logger {type(logger).__name__} has no `{verb}` method. A logger is any "
+            f"object with the verbs the framework calls: {', '.join(LOGGER_VERBS)}. Add `{verb}` "
+            f"(or pass logger=None to disable logging)."
+        )
+    return fn
+
+
+def make_loggers(spec, run_dir: str, experiment) -> list:
+    """The run's logger objects: names made through ``jaxnitro_make_logger``, objects as given."""
+    out = []
+    for entry in _as_list(spec):
+        if not isinstance(entry, str):
+            out.append(entry)
+            continue
+        made = first_result(
+            "jaxnitro_make_logger", name=entry, run_dir=pathlib.Path(run_dir), experiment=experiment
+        )
+        if made is None:
+            raise ValueError(
+                f"jaxnitro: no plugin makes a logger named {entry!r}. Loaded plugins: "
+                f"{[p.name for p in plugins_info()]}{disabled_note()}. Pass `logger=None` to "
+                f"disable logging, or a logger object."
+            )
+        out.append(made)
+    return out
+
+
+def _json_safe(v):
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, np.generic):
+        return v.item()
+    if hasattr(v, "shape") and np.ndim(v) == 0:
+        return np.asarray(v).item()
+    return summarize_value(v)
+
+
+def run_params(nitro, run_dir: str) -> dict:
+    """The run's parameters: experiment fields (Device fields at their live value), run
+    knobs, prefetch settings, parameter count and the run folder."""
+    e = nitro.experiment
+    params = {"experiment": type(e).__name__}
+    for name, info in fields_of(e).items():
+        value = nitro.device_value(name) if info.is_device else getattr(e, name)
+        params[f"field/{name}"] = _json_safe(value)
+    for name, r in nitro.settings.knobs.items():
+        value = nitro.settings.logger if name == "logger" else r.value
+        if name in ("logger", "early_stop", "schedules", "checkpointer", "ema"):
+            params[f"knob/{name}"] = repr(value) if value is not None else None
+        else:
+            params[f"knob/{name}"] = _json_safe(value)
+    for split, src in nitro.data.items():
+        for k, v in (src.info() if hasattr(src, "info") else {}).items():
+            params[f"prefetch/{split}/{k}"] = _json_safe(v)
+    params["n_params"] = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(nitro.params)))
+    params["run_dir"] = run_dir
+    return params
+
+
+class LoggerRelay:
+    """A run-scoped plugin that drives one logger from the lifecycle events of one run."""
+
+    def __init__(self, logger, run):
+        self.logger, self.run = logger, run
+        self.log_metrics = verb_of(logger, "log_metrics")
+
+    def _mine(self, run) -> bool:
+        return run is self.run
+
+    @hookimpl
+    def jaxnitro_run_start(self, run):
+        if self._mine(run):
+            from .describe import describe
+
+            verb_of(self.logger, "log_params")(run_params(run.nitro, run.run_dir))
+            verb_of(self.logger, "log_other")("binding_report", describe(run.nitro, "report"))
+
+    @hookimpl
+    def jaxnitro_steps_read(self, run, stretch):
+        if self._mine(run):
+            log = self.log_metrics
+            for step, epoch, line in stretch.lines(run.settings.log_every_n_steps):
+                log(line, step=step, epoch=epoch, context="train")
+
+    @hookimpl
+    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+        if self._mine(run):
+            self.log_metrics(dict(stats), step=step, epoch=epoch, context="data")
+
+    @hookimpl
+    def jaxnitro_split_evaluated(self, run, split, metrics, context):
+        if self._mine(run):
+            self.log_metrics(metrics, step=run.nitro.step, epoch=run.nitro.epoch, context=context)
+
+    @hookimpl
+    def jaxnitro_run_finish(self, run, status):
+        if self._mine(run):
+            verb_of(self.logger, "finish")(status)
+
+
+# -- public helpers -------------------------------------------------------------------
+
+
+def _logger_of(x):
+    loggers = getattr(x, "loggers", None)
+    if loggers is not None and hasattr(x, "experiment"):  # a handle
+        if not loggers:
+            raise ValueError(
+                "jaxnitro: this handle has no logger yet (it is made when train() starts) or "
+                "logging is off (logger=None)."
+            )
+        return loggers[0]
+    return x
+
+
+def logger_info(x) -> dict:
+    """The identifying parameters of a logger, or of a handle's (first) logger.
+
+    ``logger.info()`` when the logger defines it (the JSONL logger returns its
+    path; a hosted tracker its URL and run key), else ``{"backend": <type name>}``.
+    """
+    logger = _logger_of(x)
+    info = getattr(logger, "info", None)
+    return dict(info()) if callable(info) else {"backend": type(logger).__name__}
+
+
+def backend(x):
+    """The backend object behind a logger (or a handle's first logger): ``logger.backend`` if
+    it wraps one, else the logger itself, whose own client methods stay callable."""
+    logger = _logger_of(x)
+    return getattr(logger, "backend", logger)

@@ -1,0 +1,208 @@
+"""The threaded host stage: producer threads, bounded slots, delivery, teardown.
+
+In: a source, an epoch and a worker count. :meth:`Producers.start` calls
+``begin_epoch(epoch)`` in the caller's thread and starts the threads (named
+``jaxnitro-prefetch-<n>``, or ``jaxnitro-prefetch-iter`` for the one thread
+iterating a source that is not addressable). Out: an iterator of ``(index,
+batch)`` pairs, in index order when ``ordered``, else as they complete. A
+failure in the source is raised from that iterator as a ``PrefetchError`` at
+the failed batch's turn. :meth:`Producers.stop` (always call it) stops and
+joins every thread and drops whatever was produced ahead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import structlog
+
+from .contract import accessors
+from .failures import Failure, failure_error
+
+#: Longest time, in seconds, that tearing down an epoch stream waits for a
+#: producer thread that is still inside ``batch_at`` or the source's iterator.
+#: A producer never waits on the pipeline once the stream is stopped, so only a
+#: source call that itself takes this long can reach it; the thread is then
+#: left to finish that call and exit, and a warning says so.
+JOIN_TIMEOUT_S = 30.0
+
+_THREAD_PREFIX = "jaxnitro-prefetch"
+
+_END = object()  # the iterating producer ran out of batches
+
+
+class Producers:
+    """Producer threads feeding one epoch stream, and their teardown.
+
+    Every produced item goes into one unbounded ``SimpleQueue``; the bound is a
+    semaphore of ``capacity`` slots that a producer takes *before* it claims an
+    index and the consumer gives back when it takes an item. Producers thus
+    never block on the queue, and stopping is: set the flag, then release one
+    slot per producer so that every one blocked on the semaphore wakes, sees
+    the flag and returns.
+
+    Indices are claimed in increasing order, so ordered delivery cannot
+    deadlock: while the consumer waits for index ``k``, either ``k`` is being
+    produced, or nothing is claimed at all and every slot is free.
+    """
+
+    def __init__(self, capacity: int):
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        # a semaphore made of a C queue of tokens: cheaper than threading.Semaphore
+        self.slots: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(capacity):
+            self.slots.put(None)
+        self.stopped = False
+        self.threads: list[threading.Thread] = []
+
+    def start(
+        self, source: Any, addressable: bool, epoch: int, workers: int, ordered: bool
+    ) -> Iterator[tuple[int, Any]]:
+        """Start producing ``epoch`` of ``source``; the ``(index, batch)`` pairs."""
+        if not addressable:
+            self._start_iterating(source)
+            return _iterated(self, epoch)
+        batch_at, begin = accessors(source)
+        begin(epoch)
+        n = len(source)
+        self._start_indexed(batch_at, n, workers)
+        if ordered or workers == 1:
+            return _indexed_ordered(self, n, epoch)
+        return _indexed_unordered(self, n, epoch)
+
+    # -- producers ---------------------------------------------------------
+
+    def _start_indexed(self, batch_at: Callable[[int], Any], n: int, workers: int) -> None:
+        claim = itertools.count().__next__
+        claim_lock = threading.Lock()
+
+        def work() -> None:
+            put, acquire = self.out.put, self.slots.get
+            while True:
+                acquire()
+                if self.stopped:
+                    return
+                with claim_lock:
+                    i = claim()
+                if i >= n:
+                    return
+                try:
+                    put((i, batch_at(i)))
+                except BaseException as exc:  # noqa: BLE001 - carried to the consumer
+                    put(Failure(i, exc))
+
+        for w in range(min(workers, n)):
+            self._spawn(work, f"{_THREAD_PREFIX}-{w}")
+
+    def _start_iterating(self, source: Iterable) -> None:
+        def work() -> None:
+            put, acquire = self.out.put, self.slots.get
+            i = 0
+            it = None
+            try:
+                it = iter(source)
+                while True:
+                    acquire()
+                    if self.stopped:
+                        return
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        put(_END)
+                        return
+                    put((i, batch))
+                    i += 1
+            except BaseException as exc:  # noqa: BLE001 - carried to the consumer
+                put(Failure(i, exc))
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    try:
+                        close()
+                    except Exception:  # noqa: BLE001 - already finishing
+                        pass
+
+        self._spawn(work, f"{_THREAD_PREFIX}-iter")
+
+    def _spawn(self, fn: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    # -- teardown ------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop and join every producer (idempotent); drop undelivered batches."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for _ in self.threads:
+            self.slots.put(None)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self.threads if t.is_alive()]
+        if alive:
+            structlog.get_logger("jaxnitro").warning(
+                "prefetch producer still running after teardown",
+                threads=alive,
+                waited_s=JOIN_TIMEOUT_S,
+                note="it is inside the source's batch_at or iterator and exits "
+                "when that call returns",
+            )
+        # drop whatever was produced ahead; it is never delivered
+        while True:
+            try:
+                self.out.get_nowait()
+            except queue.Empty:
+                break
+
+
+# --------------------------------------------------------------------------
+# delivery: each taken item gives its slot back
+
+
+def _indexed_ordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, Any]]:
+    get, release = p.out.get, p.slots.put
+    pending: dict[int, Any] = {}
+    for k in range(n):
+        if k in pending:
+            item = pending.pop(k)
+        else:
+            while True:
+                item = get()
+                i = item[0] if item.__class__ is tuple else item.index
+                if i == k:
+                    break
+                pending[i] = item
+        release(None)
+        if item.__class__ is Failure:
+            raise failure_error(k, item.exc, epoch, f"batch_at({k})")
+        yield item
+
+
+def _indexed_unordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, Any]]:
+    get, release = p.out.get, p.slots.put
+    for _ in range(n):
+        item = get()
+        release(None)
+        if item.__class__ is Failure:
+            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})")
+        yield item
+
+
+def _iterated(p: Producers, epoch: int) -> Iterator[tuple[int, Any]]:
+    get, release = p.out.get, p.slots.put
+    while True:
+        item = get()
+        if item is _END:
+            return
+        release(None)
+        if item.__class__ is Failure:
+            raise failure_error(item.index, item.exc, epoch, "iterating the source")
+        yield item

@@ -1,0 +1,113 @@
+"""The synchronous host stage, and transfer-ahead staging for both stages.
+
+:func:`synchronous` is the one path that produces batches in the consumer's
+own thread, with no threads at all: ``NoPrefetch`` always, and
+``PrefetchIterator(workers=0)``. In: a source, an epoch, ``transfer`` and a
+staging depth. Out: a generator of staged batches. Nothing happens until its
+first ``next()``; then ``begin_epoch(epoch)`` and ``batch_at(i)`` are called
+for an addressable source, or the source is iterated once.
+
+:func:`staged` takes ``(index, batch)`` pairs from either host stage and
+applies ``transfer`` ``depth`` batches ahead of delivery.
+
+A failure in ``batch_at``, the source's iterator or ``transfer`` is raised as
+a ``PrefetchError`` naming the batch, after every batch before it has been
+delivered, whatever the depth.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from .contract import accessors
+from .failures import PrefetchError, failure_error
+
+
+def synchronous(
+    source: Any,
+    addressable: bool,
+    epoch: int,
+    transfer: Callable[[Any], Any] | None,
+    depth: int,
+) -> Iterator[Any]:
+    """One pass over ``source`` in the consumer's thread, staged ``depth`` ahead."""
+    items = _indexed(source, epoch) if addressable else _iterated(source, epoch)
+    return staged(items, transfer, depth, epoch)
+
+
+def _indexed(source: Any, epoch: int) -> Iterator[tuple[int, Any]]:
+    batch_at, begin = accessors(source)
+    begin(epoch)
+    for i in range(len(source)):
+        try:
+            batch = batch_at(i)
+        except Exception as exc:  # noqa: BLE001
+            raise failure_error(i, exc, epoch, f"batch_at({i})")
+        yield i, batch
+
+
+def _iterated(source: Iterable, epoch: int) -> Iterator[tuple[int, Any]]:
+    i = 0
+    try:
+        it = iter(source)
+    except Exception as exc:  # noqa: BLE001
+        raise failure_error(0, exc, epoch, "iterating the source")
+    try:
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001
+                raise failure_error(i, exc, epoch, "iterating the source")
+            yield i, batch
+            i += 1
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def staged(
+    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int
+) -> Iterator[Any]:
+    """Apply ``transfer`` ``depth`` batches ahead of delivery; yield staged batches."""
+    if transfer is None:
+        for _, batch in items:
+            yield batch
+        return
+    if depth <= 0:
+        for i, batch in items:
+            try:
+                out = transfer(batch)
+            except Exception as exc:  # noqa: BLE001
+                raise failure_error(i, exc, epoch, "transfer")
+            yield out
+        return
+    ahead: collections.deque = collections.deque()
+    push, pop = ahead.append, ahead.popleft
+    nxt = items.__next__
+    error: PrefetchError | None = None
+    while True:
+        try:
+            i, batch = nxt()
+        except StopIteration:
+            break
+        except PrefetchError as exc:  # the source failed: deliver what is staged first
+            error = exc
+            break
+        try:
+            push(transfer(batch))
+        except Exception as exc:  # noqa: BLE001
+            error = failure_error(i, exc, epoch, "transfer")
+            break
+        if len(ahead) > depth:
+            yield pop()
+    # batches already staged were produced and transferred without error: deliver
+    # them, so that a failure surfaces at the same batch whatever device_batches is
+    while ahead:
+        yield pop()
+    if error is not None:
+        raise error

@@ -1,0 +1,111 @@
+"""Early stopping: ``jn.EarlyStopping`` and the plugin that applies the ``early_stop`` knob.
+
+Entry point ``early_stopping``. It exports :class:`EarlyStopping` as
+``jaxnitro.EarlyStopping``, accepts the ``early_stop`` run knob at setup
+(refusing it without a ``monitor`` hook or a ``val`` split), and at every
+validated epoch's end asks the policy whether to stop; when it says so the
+run ends after that epoch with status ``"done"`` and ``nitro.stop_reason``
+saying why.
+
+A policy is any object with ``should_stop(epoch, value, mode) -> bool``
+(optionally ``reset()``, called at run start, and ``patience`` for the
+message). Host-side: nothing here is part of a compiled program.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from jaxnitro.hookspecs import hookimpl
+
+__all__ = ["EarlyStopping"]
+
+
+@attrs.define
+class EarlyStopping:
+    """Stop when the monitored metric has not improved for ``patience`` validated epochs.
+
+    An improvement is a value better than the best so far by more than
+    ``min_delta`` in the monitor's direction (``"max"`` or ``"min"``). NaN
+    never improves. Redefining ``should_stop`` on a subclass takes effect at
+    the next epoch without compiling anything.
+    """
+
+    patience: int = 5
+    min_delta: float = 0.0
+    best: float | None = attrs.field(default=None, init=False)
+    best_epoch: int | None = attrs.field(default=None, init=False)
+    bad_epochs: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self):
+        if self.patience < 1:
+            raise ValueError(f"jaxnitro: EarlyStopping(patience={self.patience}) must be >= 1.")
+
+    def reset(self) -> None:
+        """Forget the record (a new run starts)."""
+        self.best, self.best_epoch, self.bad_epochs = None, None, 0
+
+    def should_stop(self, epoch: int, value: float, mode: str) -> bool:
+        """Record ``value`` for ``epoch``; return True when the run should stop now."""
+        value = float(value)
+        better = not math.isnan(value) and (
+            self.best is None
+            or (value > self.best + self.min_delta if mode == "max" else value < self.best - self.min_delta)
+        )
+        if better:
+            self.best, self.best_epoch, self.bad_epochs = value, epoch, 0
+            return False
+        self.bad_epochs += 1
+        return self.bad_epochs >= self.patience
+
+
+@hookimpl(trylast=True)
+def jaxnitro_exports():
+    return {"EarlyStopping": EarlyStopping}
+
+
+@hookimpl(trylast=True)
+def jaxnitro_accept_knob(name, value, nitro):
+    """Take the ``early_stop`` knob: a policy with ``should_stop``, a ``monitor`` and a ``val`` split."""
+    if name != "early_stop":
+        return None
+    source = nitro.settings.source("early_stop")
+    if not callable(getattr(value, "should_stop", None)):
+        raise TypeError(
+            f"jaxnitro: `early_stop` = {value!r} ({source}); give a jn.EarlyStopping(patience=...) "
+            f"or an object with `should_stop(epoch, value, mode) -> bool`, or None."
+        )
+    cls_name = type(nitro.experiment).__name__
+    if nitro.settings.monitor is None:
+        raise ValueError(
+            f"jaxnitro: `early_stop` is set ({source}) but {cls_name} has no `monitor` hook, so "
+            f"early stopping has no metric to watch. Define "
+            f"`def monitor(self): return ('<metric>', 'max' | 'min')`, or drop early_stop."
+        )
+    if "val" not in nitro.data and "train" in nitro.data:
+        raise ValueError(
+            "jaxnitro: `early_stop` watches the `val` split's metrics, but the data has no `val` "
+            f"split (splits: {sorted(nitro.data)}). Return one from build_data, or drop early_stop."
+        )
+    return True
+
+
+@hookimpl(trylast=True)
+def jaxnitro_run_start(run):
+    policy = run.settings.early_stop
+    if policy is not None and callable(getattr(policy, "reset", None)):
+        policy.reset()
+
+
+@hookimpl(trylast=True)
+def jaxnitro_epoch_end(run, row):
+    """Ask the policy about a validated epoch; request the stop when it says so."""
+    policy, monitor = run.settings.early_stop, run.monitor
+    if policy is None or monitor is None or monitor[0] not in row:
+        return
+    name, mode = monitor
+    if policy.should_stop(row["epoch"], row[name], mode):
+        patience = getattr(policy, "patience", "?")
+        run.request_stop(f"early stopping: {name} did not improve for {patience} epochs")

@@ -1,0 +1,197 @@
+"""The binding report: ``print(nitro)``, its HTML view, the report a run logs, an experiment's repr.
+
+Entry point ``report``, on the ``jaxnitro_describe`` extension hook (trylast).
+A handle is described by a title (status, seed, accum, horizon, batch width,
+devices, where the weights came from, step and epoch) and bands, each a framed
+table: ``data`` (splits and prefetch), ``routing`` (which batch fields each
+hook receives and where it runs), ``hooks`` (each hook that is not the
+experiment's own, with the plugin and distribution it came from),
+``bindings`` (schedules and run knobs with their source) and ``parameter
+groups``. An experiment is described by its fields (marker, value, doc).
+Formats: ``"text"`` (sized to the terminal), ``"report"`` (120 columns, for a
+log) and ``"html"``.
+"""
+
+from __future__ import annotations
+
+import html
+import shutil
+from collections.abc import Sequence
+
+import jax
+
+from jaxnitro.experiment import fields_of, summarize_value
+from jaxnitro.hookspecs import hookimpl
+
+__all__ = ["text_table", "html_table", "Band", "render_bands_text", "render_bands_html", "handle_bands"]
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def text_table(
+    title: str, header: Sequence[str], rows: Sequence[Sequence[object]], width: int | None = None
+) -> str:
+    """A box-drawn table; the last column is clipped so the table fits ``width`` (terminal width)."""
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fixed = sum(widths[:-1]) + 3 * (len(widths) - 1) + 4
+    widths[-1] = max(min(widths[-1], width - fixed), 8)
+    inner = sum(widths) + 3 * (len(widths) - 1) + 2
+
+    def line(r):
+        return "│ " + " │ ".join(_clip(c, w).ljust(w) for c, w in zip(r, widths)) + " │"
+
+    out = [title, "┌" + "─" * inner + "┐", line(cells[0]), "├" + "─" * inner + "┤"]
+    out += [line(r) for r in cells[1:]]
+    out.append("└" + "─" * inner + "┘")
+    return "\n".join(out)
+
+
+def html_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """The same table as HTML."""
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
+    return (
+        f"<div><strong>{html.escape(title)}</strong><table><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table></div>"
+    )
+
+
+class Band:
+    """One titled section of a report: a header and rows."""
+
+    def __init__(self, title: str, header: Sequence[str], rows: Sequence[Sequence[object]]):
+        self.title, self.header, self.rows = title, tuple(header), [tuple(r) for r in rows]
+
+
+def render_bands_text(bands: Sequence[Band], width: int | None = None) -> str:
+    return "\n".join(text_table(b.title, b.header, b.rows, width) for b in bands if b.rows)
+
+
+def render_bands_html(bands: Sequence[Band]) -> str:
+    return "".join(html_table(b.title, b.header, b.rows) for b in bands if b.rows)
+
+
+# -- a handle ---------------------------------------------------------------------------
+
+
+def _horizon(nitro):
+    train = nitro.data.get("train")
+    if train is None:
+        return None, None
+    per_epoch = len(train) // nitro.settings.accum
+    return per_epoch, per_epoch * nitro.settings.max_epochs
+
+
+def handle_title(nitro) -> str:
+    """Three lines: the experiment and status; seed, accum, horizon, batch, devices; weights."""
+    e, s = nitro.experiment, nitro.settings
+    per_epoch, total = _horizon(nitro)
+    horizon = f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})" if total is not None else "no train split"
+    devices = ", ".join(str(d) for d in jax.devices()[: s.n_devs or 1])
+    return (
+        f"Nitro({type(e).__name__})  status: {nitro.status}\n"
+        f"  seed {s.seed} | accum {s.accum} | horizon {horizon} | batch {nitro.width} | "
+        f"devices {devices}\n"
+        f"  weights: {nitro.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
+    )
+
+
+def _data_band(nitro) -> Band:
+    rows = []
+    for split, src in nitro.data.items():
+        info = src.info() if hasattr(src, "info") else {}
+        warn = "" if info.get("ordered", True) else "UNORDERED: not bitwise reproducible"
+        rows.append((split, len(src), info.get("path", "?"), info.get("workers", "?"),
+                     info.get("device_batches", "?"), info.get("host_batches", "?"), warn))
+    return Band("data", ("split", "batches", "prefetch", "workers", "on device", "on host", "note"), rows)
+
+
+def _routing_band(nitro) -> Band:
+    rows = []
+    used = set()
+    for hook, route in nitro.routes.items():
+        where = "host" if hook == "metrics" and not nitro.metrics_on_device else "device"
+        names = list(route.required) + [f"{f} (optional)" for f in route.optional]
+        if route.wants_key:
+            names.append("key (PRNG key from the framework)")
+        fields = ", ".join(names) or "(none)"
+        rows.append((hook, fields, where))
+        if where == "device":
+            used.update(route.fields)
+    if nitro.batch_fields is not None:
+        never = [f for f in nitro.batch_fields if f not in used]
+        if never:
+            rows.append(("never transferred", ", ".join(never), "host only"))
+    return Band("routing", ("hook", "batch fields", "runs on"), rows)
+
+
+def _hooks_band(nitro) -> Band:
+    """Each experiment hook that is not the experiment's own, and where it came from."""
+    rows = [(name, hook.source) for name, hook in nitro.hooks.items() if hook.source != "experiment"]
+    return Band("hooks not defined by the experiment", ("hook", "from"), rows)
+
+
+def _bindings_band(nitro) -> Band:
+    s = nitro.settings
+    rows = [("gradient_clip_norm", s.gradient_clip_norm or "off", s.source("gradient_clip_norm"))]
+    for key, target in nitro.bindings.describe():
+        rows.append((f"schedule {key}", target, s.source("schedules")))
+    for name in ("accum", "max_epochs", "seed", "log_every_n_steps", "check_divergence"):
+        rows.append((name, getattr(s, name), s.source(name)))
+    if s.logger is not None:
+        rows.append(("logger", s.logger, s.source("logger")))
+    if s.early_stop is not None:
+        rows.append(("early_stop", s.early_stop, s.source("early_stop")))
+    return Band("bindings", ("binding", "value", "source"), rows)
+
+
+def _groups_band(nitro) -> Band:
+    rows = []
+    if nitro.opt_spec is not None:
+        opt = nitro.bindings.opt
+        for g in nitro.opt_spec.groups:
+            lr_scheduled = (None, "learning_rate") in opt or (g.name, "learning_rate") in opt
+            wd_scheduled = (None, "weight_decay") in opt or (g.name, "weight_decay") in opt
+            rate = f"schedule x {g.ratio:g}" if lr_scheduled else f"{nitro.base_lr * g.ratio:g}"
+            decay = "schedule" if wd_scheduled else g.weight_decay
+            rows.append((g.name, rate, g.ratio, "zero", decay, g.rule_name, g.n_params))
+    return Band("parameter groups", ("group", "rate", "ratio", "anchor", "decay", "rule", "parameters"), rows)
+
+
+def handle_bands(nitro) -> list[Band]:
+    """The bands of ``print(nitro)``, in order (an empty band is not shown)."""
+    return [_data_band(nitro), _routing_band(nitro), _hooks_band(nitro), _bindings_band(nitro), _groups_band(nitro)]
+
+
+# -- an experiment --------------------------------------------------------------------------
+
+
+def _field_rows(e) -> list[tuple[str, str, str, str]]:
+    """Rows ``(name, marker, value summary, doc)`` for an experiment instance."""
+    return [
+        (name, info.marker.name, summarize_value(getattr(e, name, None)), info.doc)
+        for name, info in fields_of(e).items()
+    ]
+
+
+_FIELD_HEADER = ("field", "marker", "value", "doc")
+
+
+@hookimpl(trylast=True)
+def jaxnitro_describe(subject, format):
+    """Describe a handle (bands) or an experiment (its fields) as text, report or HTML."""
+    if hasattr(subject, "settings") and hasattr(subject, "experiment"):
+        title, bands = handle_title(subject), handle_bands(subject)
+        if format == "html":
+            return f"<pre>{html.escape(title)}</pre>" + render_bands_html(bands)
+        return title + "\n" + render_bands_text(bands, width=120 if format == "report" else None)
+    name = type(subject).__name__
+    if format == "html":
+        return html_table(name, _FIELD_HEADER, _field_rows(subject))
+    return text_table(name, _FIELD_HEADER, _field_rows(subject), width=120 if format == "report" else None)
