@@ -43,7 +43,7 @@ def set_device_values(nitro, values: dict) -> None:
             _refuse(name, "it is a GraphConst field, baked into the compiled graph; a new value is a new program.")
         if info.is_host:
             _refuse(name, "it is a Host field, which never reaches the device.")
-        if name in nitro.bindings.device:
+        if name in nitro.plan.bindings.device:
             _refuse(name, "it is scheduled; the schedule rewrites it every step.")
         current = nitro.device_values[name]
         try:

@@ -1,7 +1,10 @@
 """``Nitro``: the handle that holds a resolved experiment, its data, weights and programs.
 
 A handle is a fixed point: every keyword and run-knob accessor is resolved
-once, at construction, into the handle's own fields. Programs come from the
+once, at construction (:mod:`jaxnitro.setup`), into a few typed objects the
+verbs read: ``settings`` (the run knobs), ``data``, ``plan`` (hooks, routing,
+programs, optimizer), ``state`` (the :class:`~jaxnitro.state.TrainState`),
+``device_values`` and ``record`` (what runs leave behind). Programs come from the
 module-level compile cache, so a new handle on the same experiment compiles
 nothing. Nothing compiles during construction; the first verb that needs a
 program compiles it.
@@ -9,33 +12,23 @@ program compiles it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 
-import attrs
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import knobs as _knobs
-from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
-from .defaults import Defaults
 from .describe import describe
 from .events import emit
-from .experiment import fields_of, is_experiment, to_device_value
 from .history import MetricHistory
-from .logger import check_logger_knob
-from .optim import build_optimizer_spec
-from .plugin_manager import disabled_note, first_result, resolve_hooks
+from .knobs import Settings
+from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
-from .programs import ProgramSet, split_model
-from .routing import route_of
-from .schedules import bind_schedules
+from .setup import build
+from .state import Plan, RunRecord, TrainState
 
 __all__ = ["Nitro", "train"]
-
-_TRACED_HOOKS = ("forward", "loss", "train_metrics", "metrics")
 
 
 class Nitro:
@@ -63,184 +56,24 @@ class Nitro:
     """
 
     def __init__(self, experiment, **kwargs):
-        progress = SetupSteps(experiment)
+        steps = SetupSteps(experiment)
         ok = False
         try:
-            self._setup(experiment, kwargs, progress)
+            built = build(experiment, kwargs, steps)
+            self.experiment = built.experiment
+            self.settings: Settings = built.settings
+            self.data: dict = built.data
+            self.plan: Plan = built.plan
+            self.state: TrainState = built.state
+            self.device_values: dict = built.device_values
+            self.record = RunRecord()
+            self._check_plugin_knobs()
+            self.record.status = "ready"
             ok = True
         finally:
-            progress.close(ok)
-
-    def _setup(self, experiment, kwargs: dict, progress: SetupSteps) -> None:
-        if not is_experiment(experiment) or isinstance(experiment, type):
-            raise TypeError(
-                f"jaxnitro: Nitro takes an experiment instance (a class decorated with "
-                f"@jn.experiment, instantiated), got {experiment!r}."
-            )
-        _knobs.check_keywords(kwargs)
-        for unsupported in ("resume", "w0", "restore_optimizer", "restore_best"):
-            if kwargs.get(unsupported) not in (None, False):
-                raise NotImplementedError(
-                    f"jaxnitro: `{unsupported}` is not available in this version yet "
-                    f"(checkpointing, resume and EMA arrive with the checkpoint plugin)."
-                )
-        self.status = "setup"
-        self.stop_reason: str | None = None
-        e = experiment
-        self.hooks = resolve_hooks(e, Defaults())
-        knobs = _knobs.resolve_knobs(e, kwargs)
-        if knobs["ema"].value is not None:
-            raise NotImplementedError(
-                f"jaxnitro: run knob `ema` is set ({knobs['ema'].source}) but EMA is not available in "
-                f"this version yet; remove it (or set it to None) rather than have it silently ignored."
-            )
-        if knobs["n_devs"].value not in (None, 1):
-            raise NotImplementedError(
-                "jaxnitro: n_devs > 1 (data parallel) is not available in this version yet; use "
-                "n_devs=1 or leave it unset."
-            )
-        self.settings = _knobs.make_settings(
-            knobs, logger=check_logger_knob(knobs["logger"].value, knobs["logger"].source), monitor=None
-        )
-
-        progress.to("building data")
-        e = self._load_data(e, kwargs, progress)
-        self.experiment = e
-        progress.to("checking splits")
-        self._check_splits()
-        progress.to("building model")
-        self._build_model(e, kwargs.get("weights"))
-        # Device values: converted once, placed once
-        self.device_values = {
-            name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
-            for name, info in fields_of(e).items()
-            if info.is_device
-        }
-        self._resolve_residency(e)
-        self.programs = self._program_set()
-        progress.to("building optimizer")
-        self._build_optimizer(e)
-        self.settings = dataclasses.replace(self.settings, monitor=self._resolve_monitor())
-        self._check_plugin_knobs()
-        self.step = 0
-        self.epoch = 0
-        self.rows: list[dict] = []
-        self.run_dir: str | None = None
-        self.loggers: list = []
-        self.status = "ready"
+            steps.close(ok)
         if kwargs.get("run_ref") is not None:
             kwargs["run_ref"][:] = [self]
-
-    # -- setup steps ----------------------------------------------------------------
-
-    def _load_data(self, e, kwargs: dict, progress: SetupSteps):
-        """Take ``data=`` or call ``build_data``; wrap each split; run ``derive``. Returns the
-        experiment with the derived values merged (host values, before device conversion)."""
-        if kwargs.get("data") is not None:
-            data = kwargs["data"]
-        else:
-            if "build_data" not in self.hooks:
-                raise TypeError(
-                    f"jaxnitro: {type(e).__name__} has no `build_data` hook and no `data=` was "
-                    f"given. Define `def build_data(self, dist) -> dict` returning the splits, or "
-                    f"pass `Nitro(e, data={{'train': ..., 'val': ...}})` (`data={{}}` to only predict)."
-                )
-            data = self.hooks["build_data"].function(e, None)
-        if not isinstance(data, Mapping):
-            raise TypeError(
-                f"jaxnitro: the data must be a dict {{split: source}}, got {type(data).__name__}."
-            )
-        self.data = {str(s): wrap_split(src, str(s)) for s, src in data.items()}
-        if "derive" not in self.hooks or not data:
-            return e
-        progress.to("deriving")
-        # derive sees the user's sources, also when `data=` came from another handle
-        derived = self.hooks["derive"].function(e, {s: unwrap(src) for s, src in self.data.items()}) or {}
-        unknown = [n for n in derived if n not in fields_of(e)]
-        if unknown:
-            raise KeyError(
-                f"jaxnitro: `derive` returned {unknown}, which are not fields of "
-                f"{type(e).__name__}; declare them as fields (Device[...] for values traced "
-                f"code reads) so derive can fill them in."
-            )
-        return attrs.evolve(e, **derived)
-
-    def _check_splits(self) -> None:
-        """Resolve routing; check the train split (or find the batch width from another split)."""
-        self._resolve_routes()
-        self.width: int | None = None
-        self.batch_fields: tuple[str, ...] | None = None
-        if "train" in self.data:
-            self.width = check_train_split(self.data["train"], self.settings.accum)
-            self._check_routes(peek(self.data["train"]), "train", ("forward", "loss", "train_metrics"))
-            return
-        for split, src in self.data.items():
-            first = peek(src) if len(src) else None
-            if first is not None:
-                self.width = batch_width(first, f"`{split}` split's first batch")
-                return
-
-    def _build_model(self, e, weights) -> None:
-        """Call ``build_model`` with a key from the seed; partition it once; warm-start if asked."""
-        for hook in ("build_model", "forward"):
-            if hook not in self.hooks:
-                raise TypeError(
-                    f"jaxnitro: {type(e).__name__} has no `{hook}` hook; define it as a method "
-                    f"(see jaxnitro.hookspecs.{hook})."
-                )
-        seed = self.settings.seed
-        model_key, self.run_key = jax.random.split(jax.random.PRNGKey(seed))
-        built = self.hooks["build_model"].function(e, model_key)
-        # (model, eqx.nn.State) from eqx.nn.make_with_state; anything else is the model itself
-        # (a tuple of modules is a valid model).
-        if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], eqx.nn.State):
-            model, state = built
-        else:
-            model, state = built, None
-        self.params, self.skeleton = split_model(model)
-        self.model_state = state
-        self.weights_from = "build_model (seed %d)" % seed
-        if weights is not None:
-            self._warm_start(weights)
-
-    def _resolve_residency(self, e) -> None:
-        residency = self.hooks["metrics_residency"].function
-        for hook in ("metrics", "train_metrics"):
-            where = residency(e, hook)
-            if where not in ("device", "host"):
-                raise ValueError(
-                    f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
-                )
-        if "train_metrics" in self.hooks and residency(e, "train_metrics") != "device":
-            raise ValueError(
-                "jaxnitro: `train_metrics` runs traced in the gradient program; "
-                "metrics_residency('train_metrics') must be 'device'."
-            )
-        self.metrics_on_device = "metrics" in self.hooks and residency(e, "metrics") == "device"
-        if "metrics" in self.routes and self.routes["metrics"].wants_key and not self.metrics_on_device:
-            raise TypeError(
-                "jaxnitro: `metrics` declares the keyword `key`, but it runs on the host (its "
-                "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
-                "`key` from `metrics`, or make it device-resident (metrics_residency -> 'device')."
-            )
-
-    def _build_optimizer(self, e) -> None:
-        """Groups, rules and optimizer state (only with a train split); bind the schedules."""
-        self.opt_spec = None
-        self.opt_state = None
-        if "train" in self.data:
-            if "loss" not in self.hooks:
-                raise TypeError(
-                    f"jaxnitro: {type(e).__name__} has a `train` split but no `loss` hook; define "
-                    f"`def loss(self, outputs, *, <batch fields>) -> scalar`."
-                )
-            self.opt_spec = build_optimizer_spec(e, self.hooks, self.params, self.settings.gradient_clip_norm)
-            self.base_lr = float(self.hooks["learning_rate"].function(e))
-            self.tx = self.opt_spec.transformation()
-            self.opt_state = self.tx.init(self.params)
-        group_names = tuple(g.name for g in self.opt_spec.groups) if self.opt_spec else ()
-        device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
-        self.bindings = bind_schedules(self.settings.schedules, device_fields, group_names)
 
     def _check_plugin_knobs(self) -> None:
         """Every knob the core does not act on, when set, must be accepted by a plugin."""
@@ -255,70 +88,23 @@ class Nitro:
                     f"enable the plugin that provides it, or set `{name}=None`."
                 )
 
-    # -- setup helpers ------------------------------------------------------------
+    # -- what the handle holds, by name ----------------------------------------------------
 
-    def _resolve_routes(self) -> None:
-        self.routes = {h: route_of(h, self.hooks[h].function) for h in _TRACED_HOOKS if h in self.hooks}
+    params = property(lambda self: self.state.params, doc="The trainable arrays (``eqx.partition``'s array half).")
+    model_state = property(lambda self: self.state.model_state, doc="The model state (``eqx.nn.State``) or None.")
+    opt_state = property(lambda self: self.state.opt_state, doc="The optimizer state (None without a train split).")
+    step = property(lambda self: self.state.step, doc="Optimizer steps taken.")
+    epoch = property(lambda self: self.state.epoch, doc="Epochs begun.")
+    status = property(lambda self: self.record.status, doc="``ready``, ``running``, ``done``, ``diverged``, ``interrupted`` or ``failed``.")
+    stop_reason = property(lambda self: self.record.stop_reason, doc="Why the run ended before ``max_epochs`` (or None).")
+    rows = property(lambda self: self.record.rows, doc="The history rows (see :meth:`history`).")
+    run_dir = property(lambda self: self.record.run_dir, doc="The run's folder (None before ``train()``).")
+    loggers = property(lambda self: self.record.loggers, doc="The run's loggers (empty before ``train()``).")
+    hooks = property(lambda self: self.plan.hooks, doc="``{hook: ResolvedHook}``: each hook's implementation and source.")
 
-    def _check_routes(self, batch, split: str, hooks) -> None:
-        if batch is None:
-            return
-        for h in hooks:
-            if h in self.routes:
-                self.routes[h].check(batch.keys())
-        if self.batch_fields is None:
-            self.batch_fields = tuple(batch.keys())
-
-    def _program_set(self) -> ProgramSet:
-        e = self.experiment
-        infos = fields_of(e)
-        return ProgramSet(
-            cls=type(e),
-            hooks=self.hooks,
-            routes=self.routes,
-            graph_values={n: getattr(e, n) for n, i in infos.items() if i.is_graph_const},
-            host_fields=tuple(n for n, i in infos.items() if i.is_host),
-            skeleton=self.skeleton,
-            param_def=jax.tree_util.tree_structure(self.params),
-            state_def=jax.tree_util.tree_structure(self.model_state),
-        )
-
-    def _resolve_monitor(self):
-        if "monitor" in self.hooks:
-            m = self.hooks["monitor"].function(self.experiment)
-            if not (isinstance(m, tuple) and len(m) == 2 and m[1] in ("max", "min") and isinstance(m[0], str)):
-                raise ValueError(
-                    f"jaxnitro: `monitor` returned {m!r}; it must return (metric name, 'max' | 'min'), "
-                    f"e.g. ('macro_recall', 'max')."
-                )
-            return m
-        return None
-
-    def _warm_start(self, other) -> None:
-        if not isinstance(other, Nitro):
-            raise NotImplementedError(
-                "jaxnitro: `weights=` takes another Nitro (warm start) in this version; checkpoint "
-                "paths and ('latest', 'best') arrive with the checkpoint plugin."
-            )
-        mine = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        theirs = jax.tree_util.tree_flatten_with_path(other.params)[0]
-        diff = []
-        a = {jax.tree_util.keystr(p): np.shape(x) for p, x in mine}
-        b = {jax.tree_util.keystr(p): np.shape(x) for p, x in theirs}
-        for name in sorted(set(a) | set(b)):
-            if a.get(name) != b.get(name):
-                diff.append(f"{name}: this model {a.get(name, 'missing')}, weights {b.get(name, 'missing')}")
-        if diff:
-            raise ValueError(
-                "jaxnitro: `weights=` come from a model with a different tree; leaves that differ:\n  "
-                + "\n  ".join(diff)
-                + "\nWarm-start from a handle whose model has the same structure (same GraphConst "
-                "fields such as the width), or build this one without `weights=`."
-            )
-        self.params = jax.tree_util.tree_map(jnp.copy, other.params)
-        if other.model_state is not None:
-            self.model_state = jax.tree_util.tree_map(jnp.copy, other.model_state)
-        self.weights_from = f"warm start from a {type(other.experiment).__name__} handle (step {other.step})"
+    def model(self):
+        """The trained model as one Equinox module (params combined with the static half)."""
+        return eqx.combine(self.state.params, self.plan.skeleton.static)
 
     # -- verbs -------------------------------------------------------------------------
 
@@ -384,7 +170,7 @@ class Nitro:
         if isinstance(batch, Mapping):
             return predict_batch(self, batch)
         if isinstance(batch, (np.ndarray, jax.Array)) or hasattr(batch, "__array__"):
-            fields = self.routes["forward"].fields
+            fields = self.plan.routes["forward"].fields
             raise TypeError(
                 f"jaxnitro: `predict` takes a batch dict (or an iterable of them), not a bare "
                 f"{type(batch).__name__}: `forward` is routed by field name. Call it as "

@@ -66,9 +66,6 @@ class HyperLayout:
 
     slots: tuple[tuple[str, str], ...]
 
-    def index(self, group: str, hyper: str) -> int:
-        return self.slots.index((group, hyper))
-
     @property
     def clip_index(self) -> int:
         """The last slot holds the gradient-clipping threshold."""
@@ -100,7 +97,7 @@ class OptimizerSpec:
         """Whether the program clips the gradient (its threshold is an input, not part of the key)."""
         return bool(self.clip_norm and self.clip_norm > 0)
 
-    def transformation(self, decay_scheduled: bool = False) -> optax.GradientTransformation:
+    def transformation(self) -> optax.GradientTransformation:
         """The optax transformation: one injected rule per group (clipping is applied before it)."""
         per_group = {}
         for g in self.groups:

@@ -30,7 +30,6 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .cache import Program, get_program, stable_key
 from .experiment import make_view
@@ -317,8 +316,3 @@ class ProgramSet:
             return metrics
 
         return self._program("metrics", self._base_key + self._hook_key("metrics"), build)
-
-
-def zeros_like_tree(tree):
-    """Zeros with the structure, shapes and dtypes of ``tree`` (host-built, then placed)."""
-    return jax.tree_util.tree_map(lambda x: jnp.zeros(np.shape(x), x.dtype), tree)

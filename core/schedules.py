@@ -153,21 +153,21 @@ class StepValues:
     """
 
     def __init__(self, nitro, total: int):
-        spec = nitro.opt_spec
+        spec = nitro.plan.opt_spec
         self.layout = spec.layout
-        base = spec.base_vector(nitro.base_lr)
-        self.constant = not nitro.bindings.opt
+        base = spec.base_vector(nitro.plan.base_lr)
+        self.constant = not nitro.plan.bindings.opt
         self.logged: dict[str, np.ndarray] = {}
         if self.constant:
             self.vector = jax.device_put(base)
         else:
             table = np.tile(base, (total, 1))
-            bare = {h: materialize(f, total, f"opt/{h}") for (g, h), f in nitro.bindings.opt.items() if g is None}
+            bare = {h: materialize(f, total, f"opt/{h}") for (g, h), f in nitro.plan.bindings.opt.items() if g is None}
             for i, (group, hyper) in enumerate(self.layout.slots):
                 gspec = next(x for x in spec.groups if x.name == group)
                 values = None
-                if (group, hyper) in nitro.bindings.opt:
-                    values = materialize(nitro.bindings.opt[(group, hyper)], total, f"opt/{group}/{hyper}")
+                if (group, hyper) in nitro.plan.bindings.opt:
+                    values = materialize(nitro.plan.bindings.opt[(group, hyper)], total, f"opt/{group}/{hyper}")
                 elif hyper in bare:
                     values = bare[hyper]
                 if values is not None:
@@ -176,7 +176,7 @@ class StepValues:
                         self.logged[f"schedule/{group}/{hyper}"] = table[:, i]
             self.table = table
         self.device = {}
-        for name, f in nitro.bindings.device.items():
+        for name, f in nitro.plan.bindings.device.items():
             dtype = nitro.device_values[name].dtype
             values = materialize(f, total, f"device/{name}").astype(dtype)
             self.device[name] = values

@@ -69,13 +69,13 @@ def run_training(nitro) -> None:
     propagates); a plugin failing to finish a run that already failed is
     reported as a warning, so it never hides the original exception.
     """
-    nitro.status = "running"
-    nitro.run_dir = new_run_folder(nitro.settings.run_dir)
-    run = RunContext(nitro, nitro.run_dir)
+    record = nitro.record
+    record.status = "running"
+    record.run_dir = new_run_folder(nitro.settings.run_dir)
+    run = RunContext(nitro, record.run_dir)
     status = "failed"
-    relays: list = []
     try:
-        nitro.loggers = run.loggers = make_loggers(nitro.settings.logger, nitro.run_dir, nitro.experiment)
+        record.loggers = run.loggers = make_loggers(nitro.settings.logger, record.run_dir, nitro.experiment)
         relays = [LoggerRelay(logger, run) for logger in run.loggers]
         with run_scoped(relays):
             try:
@@ -85,10 +85,10 @@ def run_training(nitro) -> None:
                 status = "interrupted"
                 raise
             finally:
-                nitro.status = status
+                record.status = status
                 emit_finish(run, status)
     finally:
-        nitro.status = status
+        record.status = status
 
 
 class _Run:
@@ -109,16 +109,16 @@ class _Run:
         self.accum = nitro.settings.accum
         self.steps_per_epoch = len(train) // self.accum
         self.scheds = StepValues(nitro, max(nitro.settings.max_epochs * self.steps_per_epoch, 1))
-        progs = nitro.programs
-        self.o_def = jax.tree_util.tree_structure(nitro.opt_state)
+        progs = nitro.plan.programs
         self.accumulate = progs.accumulate().jitted if self.accum > 1 else None
-        self.step_prog = progs.train_step(nitro.opt_spec, nitro.tx, self.o_def)
+        o_def = jax.tree_util.tree_structure(nitro.opt_state)
+        self.step_prog = progs.train_step(nitro.plan.opt_spec, nitro.plan.tx, o_def)
         self.scale = jax.device_put(np.float32(1.0 / self.accum))
         transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
         if not is_addressable(unwrap(train)):
-            transfer = _width_checked(transfer, nitro.width)  # setup could not see its last batch
-        if any(nitro.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.routes):
-            transfer = _keyed(transfer, nitro.run_key, itertools.count(nitro.step * self.accum))
+            transfer = _width_checked(transfer, nitro.plan.width)  # setup could not see its last batch
+        if any(nitro.plan.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.plan.routes):
+            transfer = _keyed(transfer, nitro.state.rng, itertools.count(nitro.step * self.accum))
         self.transfer = transfer
         self.logged_sched = self.scheds.logged if nitro.settings.autolog_schedules else {}
         self.pending: list = []
@@ -133,7 +133,7 @@ class _Run:
         validate = "val" in nitro.data
         last = nitro.settings.max_epochs
         for epoch in range(nitro.epoch + 1, last + 1):
-            nitro.epoch = epoch
+            nitro.state = nitro.state.replace(epoch=epoch)
             phase_start(self.run_ctx, epoch, "train", "compiling train step" if self.step_prog.traces == 0 else None)
             if self.train_epoch(epoch) or ((validate or epoch == last) and self.read(wait=True)):
                 return self.diverged()
@@ -141,7 +141,7 @@ class _Run:
                 self.validate(epoch)
                 emit("jaxnitro_epoch_end", run=self.run_ctx, row=nitro.rows[-1])
             if self.run_ctx.stop_reason is not None:
-                nitro.stop_reason = self.run_ctx.stop_reason
+                nitro.record.stop_reason = self.run_ctx.stop_reason
                 return "done"
         return "done"
 
@@ -149,8 +149,7 @@ class _Run:
         """Dispatch one epoch's steps; True if a read found a non-finite loss."""
         nitro, scheds, accumulate = self.nitro, self.scheds, self.accumulate
         step_fn, scale, dev = self.step_prog.jitted, self.scale, nitro.device_values
-        leaves = jax.tree_util.tree_leaves
-        params, mstate, opt_state = leaves(nitro.params), leaves(nitro.model_state), leaves(nitro.opt_state)
+        params, mstate, opt_state = nitro.state.leaves()
         acc, micro, step = None, 0, nitro.step
         wait, diverged = 0.0, False
         t_epoch = t0 = time.perf_counter()
@@ -175,8 +174,7 @@ class _Run:
                 t0 = time.perf_counter()
         finally:
             stream.close()
-            self.publish(params, mstate, opt_state)
-            nitro.step = step
+            self.publish(params, mstate, opt_state, step)
         self.epoch_ends.append((epoch, step))
         if self.first_unread > step:  # its last step was already read during the epoch
             self._emit_unvalidated_end(self._close_epoch())
@@ -185,11 +183,10 @@ class _Run:
         emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats)
         return diverged
 
-    def publish(self, p, s, o) -> None:
-        unflatten, progs = jax.tree_util.tree_unflatten, self.nitro.programs
-        self.nitro.params = unflatten(progs.param_def, p)
-        self.nitro.model_state = unflatten(progs.state_def, s)
-        self.nitro.opt_state = unflatten(self.o_def, o)
+    def publish(self, p, s, o, step: int) -> None:
+        """Make the leaves of the last completed optimizer step the handle's state."""
+        nitro = self.nitro
+        nitro.state = nitro.state.with_leaves(p, s, o, step=step, epoch=nitro.epoch)
 
     # -- reading per-step scalars -----------------------------------------------------------
 
@@ -230,7 +227,7 @@ class _Run:
             epoch = self.epoch_ends[0][0] if self.epoch_ends else nitro.epoch
             loss = row[0]
             if check and not math.isfinite(loss):
-                nitro.diverged_step, nitro.diverged_epoch = s, epoch
+                nitro.record.diverged_at = (s, epoch)
                 diverged = True
                 break
             self.first_unread += 1
@@ -252,7 +249,7 @@ class _Run:
         been read."""
         epoch, last = self.epoch_ends.pop(0)
         row = {"epoch": epoch, "step": last, "train_loss": float(np.mean(self.losses))}
-        self.nitro.rows.append(row)
+        self.nitro.record.rows.append(row)
         self.losses = []
         return row
 
@@ -265,27 +262,29 @@ class _Run:
     # -- epoch end ----------------------------------------------------------------------------
 
     def diverged(self) -> str:
-        nitro = self.nitro
-        nitro.stop_reason = f"non-finite loss at step {nitro.diverged_step}"
+        """Record the divergence (warning, stop reason, a last row); return ``"diverged"``."""
+        record = self.nitro.record
+        step, epoch = record.diverged_at
+        record.stop_reason = f"non-finite loss at step {step}"
         warnings.warn(
-            f"jaxnitro: the loss became non-finite at step {nitro.diverged_step} (epoch "
-            f"{nitro.diverged_epoch}); the run stopped with status 'diverged'. Lower the learning "
-            f"rate, add gradient_clip_norm, or check the loss for log(0) / overflow.",
+            f"jaxnitro: the loss became non-finite at step {step} (epoch {epoch}); the run stopped "
+            f"with status 'diverged'. Lower the learning rate, add gradient_clip_norm, or check the "
+            f"loss for log(0) / overflow.",
             RuntimeWarning,
             stacklevel=5,
         )
         train_loss = float(np.mean(self.losses)) if self.losses else float("nan")
-        nitro.rows.append({"epoch": nitro.diverged_epoch, "step": nitro.diverged_step, "train_loss": train_loss})
+        record.rows.append({"epoch": epoch, "step": step, "train_loss": train_loss})
         return "diverged"
 
     def validate(self, epoch: int) -> None:
         """Validate the epoch, emit the split's metrics and merge them into the epoch's row."""
         nitro = self.nitro
-        forward_compiles = nitro.programs.forward().traces == 0
+        forward_compiles = nitro.plan.programs.forward().traces == 0
         phase_start(self.run_ctx, epoch, "validate", "compiling forward" if forward_compiles else None)
         metrics = evaluate_split(nitro, "val")
         emit("jaxnitro_split_evaluated", run=self.run_ctx, split="val", metrics=metrics, context="validate")
-        nitro.rows[-1].update(metrics)
+        nitro.record.rows[-1].update(metrics)
         monitor = nitro.settings.monitor
         if monitor is not None and monitor[0] not in metrics:
             raise KeyError(

@@ -96,9 +96,9 @@ def handle_title(nitro) -> str:
     devices = ", ".join(str(d) for d in jax.devices()[: s.n_devs or 1])
     return (
         f"Nitro({type(e).__name__})  status: {nitro.status}\n"
-        f"  seed {s.seed} | accum {s.accum} | horizon {horizon} | batch {nitro.width} | "
+        f"  seed {s.seed} | accum {s.accum} | horizon {horizon} | batch {nitro.plan.width} | "
         f"devices {devices}\n"
-        f"  weights: {nitro.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
+        f"  weights: {nitro.plan.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
     )
 
 
@@ -115,8 +115,8 @@ def _data_band(nitro) -> Band:
 def _routing_band(nitro) -> Band:
     rows = []
     used = set()
-    for hook, route in nitro.routes.items():
-        where = "host" if hook == "metrics" and not nitro.metrics_on_device else "device"
+    for hook, route in nitro.plan.routes.items():
+        where = "host" if hook == "metrics" and not nitro.plan.metrics_on_device else "device"
         names = list(route.required) + [f"{f} (optional)" for f in route.optional]
         if route.wants_key:
             names.append("key (PRNG key from the framework)")
@@ -124,8 +124,8 @@ def _routing_band(nitro) -> Band:
         rows.append((hook, fields, where))
         if where == "device":
             used.update(route.fields)
-    if nitro.batch_fields is not None:
-        never = [f for f in nitro.batch_fields if f not in used]
+    if nitro.plan.batch_fields is not None:
+        never = [f for f in nitro.plan.batch_fields if f not in used]
         if never:
             rows.append(("never transferred", ", ".join(never), "host only"))
     return Band("routing", ("hook", "batch fields", "runs on"), rows)
@@ -133,14 +133,14 @@ def _routing_band(nitro) -> Band:
 
 def _hooks_band(nitro) -> Band:
     """Each experiment hook that is not the experiment's own, and where it came from."""
-    rows = [(name, hook.source) for name, hook in nitro.hooks.items() if hook.source != "experiment"]
+    rows = [(name, hook.source) for name, hook in nitro.plan.hooks.items() if hook.source != "experiment"]
     return Band("hooks not defined by the experiment", ("hook", "from"), rows)
 
 
 def _bindings_band(nitro) -> Band:
     s = nitro.settings
     rows = [("gradient_clip_norm", s.gradient_clip_norm or "off", s.source("gradient_clip_norm"))]
-    for key, target in nitro.bindings.describe():
+    for key, target in nitro.plan.bindings.describe():
         rows.append((f"schedule {key}", target, s.source("schedules")))
     for name in ("accum", "max_epochs", "seed", "log_every_n_steps", "check_divergence"):
         rows.append((name, getattr(s, name), s.source(name)))
@@ -153,12 +153,12 @@ def _bindings_band(nitro) -> Band:
 
 def _groups_band(nitro) -> Band:
     rows = []
-    if nitro.opt_spec is not None:
-        opt = nitro.bindings.opt
-        for g in nitro.opt_spec.groups:
+    if nitro.plan.opt_spec is not None:
+        opt = nitro.plan.bindings.opt
+        for g in nitro.plan.opt_spec.groups:
             lr_scheduled = (None, "learning_rate") in opt or (g.name, "learning_rate") in opt
             wd_scheduled = (None, "weight_decay") in opt or (g.name, "weight_decay") in opt
-            rate = f"schedule x {g.ratio:g}" if lr_scheduled else f"{nitro.base_lr * g.ratio:g}"
+            rate = f"schedule x {g.ratio:g}" if lr_scheduled else f"{nitro.plan.base_lr * g.ratio:g}"
             decay = "schedule" if wd_scheduled else g.weight_decay
             rows.append((g.name, rate, g.ratio, "zero", decay, g.rule_name, g.n_params))
     return Band("parameter groups", ("group", "rate", "ratio", "anchor", "decay", "rule", "parameters"), rows)

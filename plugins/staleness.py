@@ -49,7 +49,7 @@ class Snapshot:
     def of(cls, nitro) -> "Snapshot":
         """What ``nitro`` resolved at construction, read from its own record."""
         hooks = {
-            h: (nitro.hooks[h].function if h in nitro.hooks and nitro.hooks[h].source == "experiment" else None)
+            h: (nitro.plan.hooks[h].function if h in nitro.plan.hooks and nitro.plan.hooks[h].source == "experiment" else None)
             for h in EXPERIMENT_HOOKS
         }
         knobs = {

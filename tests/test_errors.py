@@ -80,11 +80,11 @@ def test_keyword_with_default_makes_a_field_optional_and_undeclared_fields_stay_
     data = {"train": [{**b, "names": np.array(["row"] * 16)} for b in tiny_data()["train"]]}
     n = jn.train(Weighted(), data=data, run_dir=tmp_path, max_epochs=1, logger=None)
     assert n.status == "done"
-    assert n.routes["loss"].required == ("label",) and n.routes["loss"].optional == ("weight",)
+    assert n.plan.routes["loss"].required == ("label",) and n.plan.routes["loss"].optional == ("weight",)
     # with `weight` present, the loss receives it
     doubled = {"train": [{**b, "weight": np.full(16, 2.0, np.float32)} for b in tiny_data()["train"]]}
     m = jn.Nitro(Weighted(), data=doubled, run_dir=tmp_path, max_epochs=1)
-    assert m.routes["loss"].select(doubled["train"][0]).keys() == {"label", "weight"}
+    assert m.plan.routes["loss"].select(doubled["train"][0]).keys() == {"label", "weight"}
     m.train()
     first = [l for l in read_jsonl(os.path.join(m.run_dir, "metrics.jsonl")) if l.get("context") == "train"][0]
     # same seed, same first batch, same initial weights: the first step's loss is exactly doubled

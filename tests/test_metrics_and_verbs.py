@@ -73,7 +73,7 @@ def expected_stats():
 
 def forward_numpy(nitro, x):
     """The handle's forward computed directly (Tiny: vmap(model)(x) / temperature)."""
-    model = eqx.nn.inference_mode(eqx.combine(nitro.params, nitro.skeleton.static))
+    model = eqx.nn.inference_mode(nitro.model())
     return np.asarray(jax.vmap(model)(x)) / nitro.experiment.temperature
 
 
@@ -111,7 +111,7 @@ def test_metrics_never_sees_padding(host_stats):
 
 def test_device_residency_gives_the_same_values(host_stats, tmp_path):
     dev = jn.Nitro(Stats(residency="device"), run_dir=tmp_path, logger=None)
-    assert dev.metrics_on_device and not host_stats.metrics_on_device
+    assert dev.plan.metrics_on_device and not host_stats.plan.metrics_on_device
     SEEN.clear()
     on_device = dev.validate()
     assert SEEN == [], "device metrics run traced, not as a host hook"
@@ -190,7 +190,7 @@ def test_unknown_split_names_the_known_ones(host_stats):
 
 
 def test_predict_dict_pads_and_slices_to_host_numpy(host_stats):
-    assert host_stats.width == 16
+    assert host_stats.plan.width == 16
     x = VAL_X[:5]
     out = host_stats.predict({"x": x, "y": VAL_Y[:5], "unused": np.zeros((5, 3))})
     assert type(out) is np.ndarray and out.shape == (5, N_CLASSES)

@@ -184,7 +184,7 @@ def test_third_party_plugin_is_discovered_and_used(tmp_path):
         assert validate[0][4]["finalized_by"] == "memlog" and validate[0][4]["split_seen"] == "val"
         assert n.history()[-1]["finalized_by"] == "memlog"
         # ... and the experiment's own method wins over it
-        assert n.hooks["learning_rate"].source == "experiment" and n.base_lr == 1e-2
+        assert n.hooks["learning_rate"].source == "experiment" and n.plan.base_lr == 1e-2
 
         # other logger names still resolve to the built-in plugin
         j = jn.train(Tiny(), run_dir=tmp_path / "runs", max_epochs=1)

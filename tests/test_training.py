@@ -281,7 +281,7 @@ def test_batchnorm_state_trains_and_evaluation_uses_inference_mode(tmp_path):
     np.testing.assert_allclose(n.predict({"x": x[::-1].copy()}), full[::-1], rtol=1e-6, atol=1e-6)
 
     # and it is the model in inference mode with the trained running statistics
-    model = eqx.nn.inference_mode(eqx.combine(n.params, n.skeleton.static))
+    model = eqx.nn.inference_mode(n.model())
     manual = jax.vmap(model, in_axes=(0, None), out_axes=(0, None), axis_name="batch")(x, n.model_state)[0]
     np.testing.assert_allclose(full, np.asarray(manual), rtol=1e-5, atol=1e-5)
 
@@ -327,7 +327,7 @@ def test_warm_start_from_another_handle(tmp_path):
 
 def test_no_train_split_allocates_no_optimizer_state(tmp_path):
     n = jn.Nitro(Tiny(), data={}, run_dir=tmp_path, logger=None)
-    assert n.opt_state is None and n.opt_spec is None
+    assert n.opt_state is None and n.plan.opt_spec is None
     out = n.predict({"x": np.ones((3, N_FEATURES), np.float32)})
     assert out.shape == (3, N_CLASSES) and isinstance(out, np.ndarray)
     with pytest.raises(ValueError, match="no `train` split"):
@@ -372,7 +372,7 @@ def test_hooks_declaring_key_get_a_fresh_prng_key_per_micro_batch(tmp_path):
     x = tiny_data()["val"][0]["x"]
     np.testing.assert_array_equal(a.predict({"x": x}), a.predict({"x": x}))  # inference: deterministic
     assert "key (PRNG key from the framework)" in repr(a)
-    assert "key" not in a.batch_fields  # it was never a batch field
+    assert "key" not in a.plan.batch_fields  # it was never a batch field
 
 
 def test_logger_info_and_backend(tmp_path):

@@ -1,0 +1,290 @@
+"""Setup: an experiment and the handle's keywords in, typed state out.
+
+:func:`build` runs the steps of ``Nitro(e, ...)`` in order and returns a
+:class:`Built`: the experiment (with derived values merged), the resolved
+:class:`~jaxnitro.Settings`, the wrapped data, the :class:`~jaxnitro.state.Plan`,
+the :class:`~jaxnitro.state.TrainState` and the Device values. Every refusal is
+raised here, at the earliest step that can know, naming the culprit and the fix.
+Nothing compiles during setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import attrs
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import knobs as _knobs
+from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
+from .defaults import Defaults
+from .experiment import fields_of, is_experiment, to_device_value
+from .knobs import Settings
+from .logger import check_logger_knob
+from .optim import build_optimizer_spec
+from .plugin_manager import resolve_hooks
+from .programs import ProgramSet, split_model
+from .progress import SetupSteps
+from .routing import route_of
+from .schedules import bind_schedules
+from .state import Plan, TrainState
+
+__all__ = ["Built", "build", "TRACED_HOOKS"]
+
+TRACED_HOOKS = ("forward", "loss", "train_metrics", "metrics")
+"""Hooks whose keyword-only parameters are routed batch fields."""
+
+_NOT_YET = ("resume", "w0", "restore_optimizer", "restore_best")
+
+
+@dataclass
+class Built:
+    """What setup produced for one handle (see the module docstring)."""
+
+    experiment: object
+    settings: Settings
+    data: dict
+    plan: Plan
+    state: TrainState
+    device_values: dict
+
+
+def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
+    """Run every setup step for ``experiment`` with the handle's ``kwargs``."""
+    _check_call(experiment, kwargs)
+    e = experiment
+    hooks = resolve_hooks(e, Defaults())
+    settings = _settings(e, kwargs)
+    steps.to("building data")
+    data, e = _load_data(e, hooks, kwargs, steps)
+    steps.to("checking splits")
+    plan = _check_splits(hooks, data, settings)
+    steps.to("building model")
+    state = _build_model(e, plan, settings, kwargs.get("weights"))
+    device_values = {
+        name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
+        for name, info in fields_of(e).items()
+        if info.is_device
+    }
+    plan.metrics_on_device = _metrics_on_device(e, plan)
+    plan.programs = _program_set(e, plan, state)
+    steps.to("building optimizer")
+    state = _build_optimizer(e, plan, settings, data, state)
+    settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
+    return Built(e, settings, data, plan, state, device_values)
+
+
+# -- the steps ------------------------------------------------------------------------
+
+
+def _check_call(experiment, kwargs: dict) -> None:
+    if not is_experiment(experiment) or isinstance(experiment, type):
+        raise TypeError(
+            f"jaxnitro: Nitro takes an experiment instance (a class decorated with "
+            f"@jn.experiment, instantiated), got {experiment!r}."
+        )
+    _knobs.check_keywords(kwargs)
+    for unsupported in _NOT_YET:
+        if kwargs.get(unsupported) not in (None, False):
+            raise NotImplementedError(
+                f"jaxnitro: `{unsupported}` is not available in this version yet "
+                f"(checkpointing, resume and EMA arrive with the checkpoint plugin)."
+            )
+
+
+def _settings(e, kwargs: dict) -> Settings:
+    knobs = _knobs.resolve_knobs(e, kwargs)
+    if knobs["ema"].value is not None:
+        raise NotImplementedError(
+            f"jaxnitro: run knob `ema` is set ({knobs['ema'].source}) but EMA is not available in "
+            f"this version yet; remove it (or set it to None) rather than have it silently ignored."
+        )
+    if knobs["n_devs"].value not in (None, 1):
+        raise NotImplementedError(
+            "jaxnitro: n_devs > 1 (data parallel) is not available in this version yet; use "
+            "n_devs=1 or leave it unset."
+        )
+    logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
+    return _knobs.make_settings(knobs, logger=logger, monitor=None)
+
+
+def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps):
+    """Take ``data=`` or call ``build_data``; wrap each split; run ``derive``. Returns
+    ``(data, experiment with the derived values merged)`` (host values)."""
+    if kwargs.get("data") is not None:
+        raw = kwargs["data"]
+    else:
+        if "build_data" not in hooks:
+            raise TypeError(
+                f"jaxnitro: {type(e).__name__} has no `build_data` hook and no `data=` was "
+                f"given. Define `def build_data(self, dist) -> dict` returning the splits, or "
+                f"pass `Nitro(e, data={{'train': ..., 'val': ...}})` (`data={{}}` to only predict)."
+            )
+        raw = hooks["build_data"].function(e, None)
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"jaxnitro: the data must be a dict {{split: source}}, got {type(raw).__name__}.")
+    data = {str(s): wrap_split(src, str(s)) for s, src in raw.items()}
+    if "derive" not in hooks or not raw:
+        return data, e
+    steps.to("deriving")
+    # derive sees the user's sources, also when `data=` came from another handle
+    derived = hooks["derive"].function(e, {s: unwrap(src) for s, src in data.items()}) or {}
+    unknown = [n for n in derived if n not in fields_of(e)]
+    if unknown:
+        raise KeyError(
+            f"jaxnitro: `derive` returned {unknown}, which are not fields of "
+            f"{type(e).__name__}; declare them as fields (Device[...] for values traced "
+            f"code reads) so derive can fill them in."
+        )
+    return data, attrs.evolve(e, **derived)
+
+
+def _check_splits(hooks: dict, data: dict, settings: Settings) -> Plan:
+    """Resolve routing; check the train split (or find the batch width from another split)."""
+    routes = {h: route_of(h, hooks[h].function) for h in TRACED_HOOKS if h in hooks}
+    plan = Plan(hooks=hooks, routes=routes, width=None, batch_fields=None)
+    if "train" in data:
+        plan.width = check_train_split(data["train"], settings.accum)
+        first = peek(data["train"])
+        if first is not None:
+            for h in ("forward", "loss", "train_metrics"):
+                if h in routes:
+                    routes[h].check(first.keys())
+            plan.batch_fields = tuple(first.keys())
+        return plan
+    for split, src in data.items():
+        first = peek(src) if len(src) else None
+        if first is not None:
+            plan.width = batch_width(first, f"`{split}` split's first batch")
+            break
+    return plan
+
+
+def _build_model(e, plan: Plan, settings: Settings, weights) -> TrainState:
+    """Call ``build_model`` with a key from the seed; partition it once; warm-start if asked."""
+    for hook in ("build_model", "forward"):
+        if hook not in plan.hooks:
+            raise TypeError(
+                f"jaxnitro: {type(e).__name__} has no `{hook}` hook; define it as a method "
+                f"(see jaxnitro.hookspecs.{hook})."
+            )
+    model_key, run_key = jax.random.split(jax.random.PRNGKey(settings.seed))
+    built = plan.hooks["build_model"].function(e, model_key)
+    # (model, eqx.nn.State) from eqx.nn.make_with_state; anything else is the model itself
+    # (a tuple of modules is a valid model).
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], eqx.nn.State):
+        model, model_state = built
+    else:
+        model, model_state = built, None
+    params, plan.skeleton = split_model(model)
+    state = TrainState(params=params, model_state=model_state, opt_state=None, step=0, epoch=0, rng=run_key)
+    plan.weights_from = "build_model (seed %d)" % settings.seed
+    if weights is not None:
+        state = _warm_start(state, plan, weights)
+    return state
+
+
+def _warm_start(state: TrainState, plan: Plan, other) -> TrainState:
+    theirs_state = getattr(other, "state", None)
+    if not isinstance(theirs_state, TrainState):
+        raise NotImplementedError(
+            "jaxnitro: `weights=` takes another Nitro (warm start) in this version; checkpoint "
+            "paths and ('latest', 'best') arrive with the checkpoint plugin."
+        )
+    shapes = lambda tree: {  # noqa: E731
+        jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    a, b = shapes(state.params), shapes(theirs_state.params)
+    diff = [
+        f"{name}: this model {a.get(name, 'missing')}, weights {b.get(name, 'missing')}"
+        for name in sorted(set(a) | set(b))
+        if a.get(name) != b.get(name)
+    ]
+    if diff:
+        raise ValueError(
+            "jaxnitro: `weights=` come from a model with a different tree; leaves that differ:\n  "
+            + "\n  ".join(diff)
+            + "\nWarm-start from a handle whose model has the same structure (same GraphConst "
+            "fields such as the width), or build this one without `weights=`."
+        )
+    copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # noqa: E731
+    model_state = state.model_state if theirs_state.model_state is None else copy(theirs_state.model_state)
+    plan.weights_from = (
+        f"warm start from a {type(other.experiment).__name__} handle (step {theirs_state.step})"
+    )
+    return state.replace(params=copy(theirs_state.params), model_state=model_state)
+
+
+def _metrics_on_device(e, plan: Plan) -> bool:
+    """Check ``metrics_residency``'s answers; True when ``metrics`` is traced."""
+    hooks, routes = plan.hooks, plan.routes
+    residency = hooks["metrics_residency"].function
+    for hook in ("metrics", "train_metrics"):
+        where = residency(e, hook)
+        if where not in ("device", "host"):
+            raise ValueError(
+                f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
+            )
+    if "train_metrics" in hooks and residency(e, "train_metrics") != "device":
+        raise ValueError(
+            "jaxnitro: `train_metrics` runs traced in the gradient program; "
+            "metrics_residency('train_metrics') must be 'device'."
+        )
+    on_device = "metrics" in hooks and residency(e, "metrics") == "device"
+    if "metrics" in routes and routes["metrics"].wants_key and not on_device:
+        raise TypeError(
+            "jaxnitro: `metrics` declares the keyword `key`, but it runs on the host (its "
+            "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
+            "`key` from `metrics`, or make it device-resident (metrics_residency -> 'device')."
+        )
+    return on_device
+
+
+def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
+    infos = fields_of(e)
+    return ProgramSet(
+        cls=type(e),
+        hooks=plan.hooks,
+        routes=plan.routes,
+        graph_values={n: getattr(e, n) for n, i in infos.items() if i.is_graph_const},
+        host_fields=tuple(n for n, i in infos.items() if i.is_host),
+        skeleton=plan.skeleton,
+        param_def=jax.tree_util.tree_structure(state.params),
+        state_def=jax.tree_util.tree_structure(state.model_state),
+    )
+
+
+def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: TrainState) -> TrainState:
+    """Groups, rules and optimizer state (only with a train split); bind the schedules."""
+    hooks = plan.hooks
+    if "train" in data:
+        if "loss" not in hooks:
+            raise TypeError(
+                f"jaxnitro: {type(e).__name__} has a `train` split but no `loss` hook; define "
+                f"`def loss(self, outputs, *, <batch fields>) -> scalar`."
+            )
+        plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm)
+        plan.base_lr = float(hooks["learning_rate"].function(e))
+        plan.tx = plan.opt_spec.transformation()
+        state = state.replace(opt_state=plan.tx.init(state.params))
+    group_names = tuple(g.name for g in plan.opt_spec.groups) if plan.opt_spec else ()
+    device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
+    plan.bindings = bind_schedules(settings.schedules, device_fields, group_names)
+    return state
+
+
+def _monitor(e, hooks: dict):
+    if "monitor" not in hooks:
+        return None
+    m = hooks["monitor"].function(e)
+    if not (isinstance(m, tuple) and len(m) == 2 and m[1] in ("max", "min") and isinstance(m[0], str)):
+        raise ValueError(
+            f"jaxnitro: `monitor` returned {m!r}; it must return (metric name, 'max' | 'min'), "
+            f"e.g. ('macro_recall', 'max')."
+        )
+    return m

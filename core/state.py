@@ -1,0 +1,123 @@
+"""The typed objects setup produces and the verbs read.
+
+* :class:`TrainState`: what training changes (params, model state, optimizer
+  state, step, epoch, the run's PRNG key), one pytree, replaced as a whole;
+* :class:`Plan`: what setup resolved that shapes the programs (hooks, routing,
+  batch width, programs, optimizer, schedule bindings);
+* :class:`RunRecord`: what a run leaves behind (status, history rows, run
+  folder, loggers).
+
+The resolved run knobs are :class:`jaxnitro.Settings` (``knobs.py``); the
+data is the handle's ``{split: source}``; Device values live in the handle's
+``device_values`` (their one home: ``set_device`` writes there, programs
+and the logger read there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+__all__ = ["TrainState", "Plan", "RunRecord"]
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Params (``eqx.partition``'s array half), model state (``eqx.nn.State`` or None),
+    optimizer state (None without a train split), ``step`` (optimizer steps taken),
+    ``epoch`` (epochs begun) and ``rng`` (the run's base key; hooks declaring ``key`` get
+    ``fold_in(rng, micro-batch number)``).
+
+    A pytree whose leaves are the arrays (``step`` and ``epoch`` are static). The
+    compiled train programs take and return its array leaves as flat lists
+    (:meth:`leaves`, :meth:`with_leaves`): a list of arrays goes through jit's C++
+    argument path, while flattening an Equinox module costs Python time on every
+    call. The loop publishes a new state only from a completed optimizer step, so a
+    handle never holds donated (deleted) buffers.
+    """
+
+    params: Any
+    model_state: Any
+    opt_state: Any
+    step: int
+    epoch: int
+    rng: Any
+
+    def leaves(self) -> tuple[list, list, list]:
+        """``(param leaves, model-state leaves, optimizer-state leaves)``."""
+        leaves = jax.tree_util.tree_leaves
+        return leaves(self.params), leaves(self.model_state), leaves(self.opt_state)
+
+    def with_leaves(self, p, s, o, *, step: int, epoch: int) -> "TrainState":
+        """A new state with these leaves (same structures as this one's) at ``step``/``epoch``."""
+        structure = jax.tree_util.tree_structure
+        unflatten = jax.tree_util.tree_unflatten
+        return TrainState(
+            params=unflatten(structure(self.params), p),
+            model_state=unflatten(structure(self.model_state), s),
+            opt_state=unflatten(structure(self.opt_state), o),
+            step=step,
+            epoch=epoch,
+            rng=self.rng,
+        )
+
+    def replace(self, **changes) -> "TrainState":
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["params", "model_state", "opt_state", "rng"], meta_fields=["step", "epoch"]
+)
+
+
+@dataclass
+class Plan:
+    """What setup resolved that shapes the programs; fixed for the handle's life.
+
+    - ``hooks``: ``{hook: ResolvedHook}`` (experiment > plugin > default);
+    - ``routes``: ``{traced hook: Route}``, the batch fields each hook declares;
+    - ``width``: the compiled batch width (the train batch; set by the first
+      predict when the handle has no data);
+    - ``batch_fields``: the train (or first) split's field names, or None;
+    - ``metrics_on_device``: whether ``metrics`` is traced;
+    - ``skeleton``: the model's non-trainable half (:class:`~jaxnitro.programs.ModelSkeleton`);
+    - ``programs``: the handle's :class:`~jaxnitro.programs.ProgramSet`;
+    - ``opt_spec``, ``tx``, ``base_lr``: the optimizer (None without a train split);
+    - ``bindings``: where each schedule landed;
+    - ``weights_from``: where the initial weights came from, in words.
+    """
+
+    hooks: dict
+    routes: dict
+    width: int | None
+    batch_fields: tuple[str, ...] | None
+    metrics_on_device: bool = False
+    skeleton: Any = None
+    programs: Any = None
+    opt_spec: Any = None
+    tx: Any = None
+    base_lr: float | None = None
+    bindings: Any = None
+    weights_from: str = ""
+
+
+@dataclass
+class RunRecord:
+    """What a handle's run leaves behind.
+
+    ``status``: ``"setup"``, ``"ready"``, ``"running"``, then ``"done"``,
+    ``"diverged"``, ``"interrupted"`` or ``"failed"``; ``stop_reason``: why a run
+    ended before ``max_epochs``; ``rows``: one history row per epoch; ``run_dir``:
+    the run's folder; ``loggers``: the run's loggers; ``diverged_at``:
+    ``(step, epoch)`` of the first non-finite loss.
+    """
+
+    status: str = "setup"
+    stop_reason: str | None = None
+    rows: list = field(default_factory=list)
+    run_dir: str | None = None
+    loggers: list = field(default_factory=list)
+    diverged_at: tuple[int, int] | None = None
