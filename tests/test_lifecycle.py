@@ -17,7 +17,8 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro.plugin_manager import plugin_manager
-from tiny import Tiny, make_arrays, batches, tiny_data
+from plugin_dist import write_distribution
+from tiny import Tiny, batches, make_arrays, tiny_data
 
 DATA = tiny_data()  # 6 train batches of 16, 2 val batches
 
@@ -249,9 +250,7 @@ TYPO_MODULE = "jaxnitro_typo_testplugin"
 
 
 def test_a_typod_hook_implementation_fails_at_load_naming_it(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / f"{TYPO_MODULE}.py").write_text(textwrap.dedent(
+    source = textwrap.dedent(
         """
         from jaxnitro import hookimpl
 
@@ -259,11 +258,8 @@ def test_a_typod_hook_implementation_fails_at_load_naming_it(tmp_path, monkeypat
         def jaxnitro_make_loger(name, run_dir, experiment):
             return None
         """
-    ))
-    info = site / "jaxnitro_typo-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: jaxnitro-typo\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[jaxnitro]\ntypo = {TYPO_MODULE}\n")
+    )
+    site = write_distribution(tmp_path / "site", module=TYPO_MODULE, source=source, dist="jaxnitro-typo", entry="typo")
     monkeypatch.syspath_prepend(str(site))
     try:
         with pytest.raises(pluggy.PluginValidationError) as err:

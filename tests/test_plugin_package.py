@@ -15,7 +15,6 @@ way out, so other tests see only the built-in plugins.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -31,6 +30,7 @@ import pandas as pd
 import pytest
 
 import jaxnitro as jn
+from plugin_dist import installed, write_distribution
 from tiny import Tiny, make_arrays, tiny_data
 
 PACKAGE_SRC = Path(__file__).resolve().parents[1] / "examples" / "plugin_package"
@@ -78,25 +78,6 @@ def example_site(tmp_path_factory) -> Path:
     assert (site / MODULE / "__init__.py").is_file()
     assert list(site.glob("jaxnitro_example_plugins-0.1.0.dist-info/entry_points.txt"))
     return site
-
-
-@contextlib.contextmanager
-def installed(site: Path, module: str):
-    """``site`` first on ``sys.path`` and the plugins reloaded; on the way out ``site``
-    leaves ``sys.path``, ``module`` (and its submodules) leave ``sys.modules``, and the
-    plugins are reloaded again."""
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
-    try:
-        jn.reload_plugins()
-        yield
-    finally:
-        while str(site) in sys.path:
-            sys.path.remove(str(site))
-        for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
-            del sys.modules[name]
-        importlib.invalidate_caches()
-        jn.reload_plugins()
 
 
 @pytest.fixture(autouse=True)
@@ -308,20 +289,9 @@ SWAP_SOURCE = textwrap.dedent(
 )
 
 
-def write_swap_package(site: Path) -> None:
-    """The module plus a ``*.dist-info`` folder, as ``pip install`` would leave them."""
-    site.mkdir(parents=True)
-    (site / f"{SWAP_MODULE}.py").write_text(SWAP_SOURCE)
-    info = site / "jaxnitro_swap-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {SWAP_DIST}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[jaxnitro]\nswap = {SWAP_MODULE}\n")
-    (info / "top_level.txt").write_text(SWAP_MODULE + "\n")
-
-
 def test_an_installed_plugin_replaces_the_builtin_logger_and_reporter_until_removed(tmp_path):
     site = tmp_path / "site"
-    write_swap_package(site)
+    write_distribution(site, module=SWAP_MODULE, source=SWAP_SOURCE, dist=SWAP_DIST, entry="swap")
     previous = jn.progress_reporter("auto")  # the default setting, whatever ran before
     try:
         with installed(site, SWAP_MODULE):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import jaxnitro as jn
+from plugin_dist import write_distribution
 from tiny import Tiny
 
 PLUGIN_MODULE = "jaxnitro_memlog_testplugin"
@@ -89,24 +90,13 @@ PLUGIN_SOURCE = textwrap.dedent(
 )
 
 
-def write_plugin_package(site: Path) -> None:
-    """A module plus a ``*.dist-info`` folder, as ``pip install`` would leave them."""
-    site.mkdir(parents=True, exist_ok=True)
-    (site / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
-    info = site / "jaxnitro_memlog-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN_DIST}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[jaxnitro]\nmemory = {PLUGIN_MODULE}\n")
-    (info / "top_level.txt").write_text(PLUGIN_MODULE + "\n")
-
-
 @contextlib.contextmanager
 def installed_plugin(tmp_path: Path, disable: str | None = None):
     """Put the third-party package on sys.path (optionally disabling plugins), reload plugins;
     undo everything and reload again on the way out."""
     site = tmp_path / "site"
     if not site.exists():
-        write_plugin_package(site)
+        write_distribution(site, module=PLUGIN_MODULE, source=PLUGIN_SOURCE, dist=PLUGIN_DIST, entry="memory")
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.syspath_prepend(str(site))

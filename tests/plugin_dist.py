@@ -1,0 +1,46 @@
+"""Test helpers: a plugin distribution written as ``pip install`` leaves one, put on ``sys.path``.
+
+``write_distribution`` writes a module plus its ``*.dist-info`` (METADATA and an
+``entry_points.txt`` in group ``jaxnitro``); ``installed`` puts a folder first on
+``sys.path`` and reloads the plugins, and undoes both (dropping the module) on the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from pathlib import Path
+
+import jaxnitro as jn
+
+
+def write_distribution(site: Path, *, module: str, source: str, dist: str, entry: str, version: str = "0.1") -> Path:
+    """Write ``module``.py and ``<dist>-<version>.dist-info`` registering ``entry = module``."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[jaxnitro]\n{entry} = {module}\n")
+    (info / "top_level.txt").write_text(module + "\n")
+    return site
+
+
+@contextlib.contextmanager
+def installed(site: Path, module: str):
+    """``site`` first on ``sys.path`` and the plugins reloaded; on the way out ``site``
+    leaves ``sys.path``, ``module`` (and its submodules) leave ``sys.modules``, and the
+    plugins are reloaded again."""
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    try:
+        jn.reload_plugins()
+        yield
+    finally:
+        while str(site) in sys.path:
+            sys.path.remove(str(site))
+        for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+        jn.reload_plugins()
