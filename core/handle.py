@@ -102,6 +102,7 @@ class Nitro:
     loggers = property(lambda self: self.record.loggers, doc="The run's loggers (empty before ``train()``).")
     hooks = property(lambda self: self.plan.hooks, doc="``{hook: ResolvedHook}``: each hook's implementation and source.")
 
+    @property
     def model(self):
         """The trained model as one Equinox module (params combined with the static half)."""
         return eqx.combine(self.state.params, self.plan.skeleton.static)

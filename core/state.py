@@ -35,8 +35,7 @@ class TrainState:
     compiled train programs take and return its array leaves as flat lists
     (:meth:`leaves`, :meth:`with_leaves`): a list of arrays goes through jit's C++
     argument path, while flattening an Equinox module costs Python time on every
-    call. The loop publishes a new state only from a completed optimizer step, so a
-    handle never holds donated (deleted) buffers.
+    call. The loop publishes a new state once per epoch (and when a run ends).
     """
 
     params: Any

@@ -73,7 +73,7 @@ def expected_stats():
 
 def forward_numpy(nitro, x):
     """The handle's forward computed directly (Tiny: vmap(model)(x) / temperature)."""
-    model = eqx.nn.inference_mode(nitro.model())
+    model = eqx.nn.inference_mode(nitro.model)
     return np.asarray(jax.vmap(model)(x)) / nitro.experiment.temperature
 
 

@@ -281,7 +281,7 @@ def test_batchnorm_state_trains_and_evaluation_uses_inference_mode(tmp_path):
     np.testing.assert_allclose(n.predict({"x": x[::-1].copy()}), full[::-1], rtol=1e-6, atol=1e-6)
 
     # and it is the model in inference mode with the trained running statistics
-    model = eqx.nn.inference_mode(n.model())
+    model = eqx.nn.inference_mode(n.model)
     manual = jax.vmap(model, in_axes=(0, None), out_axes=(0, None), axis_name="batch")(x, n.model_state)[0]
     np.testing.assert_allclose(full, np.asarray(manual), rtol=1e-5, atol=1e-5)
 
