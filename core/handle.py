@@ -22,6 +22,9 @@ from . import knobs as _knobs
 from .describe import describe
 from .events import emit
 from .history import MetricHistory
+from .interrupts import Terminated, stop_signals
+from .interrupts import check as check_stop
+from .interrupts import consume as consume_stop
 from .knobs import Settings
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
@@ -56,6 +59,12 @@ class Nitro:
     """
 
     def __init__(self, experiment, **kwargs):
+        with stop_signals():
+            self._setup(experiment, kwargs)
+        if kwargs.get("run_ref") is not None:
+            kwargs["run_ref"][:] = [self]
+
+    def _setup(self, experiment, kwargs: dict) -> None:
         steps = SetupSteps(experiment)
         ok = False
         try:
@@ -68,12 +77,14 @@ class Nitro:
             self.device_values: dict = built.device_values
             self.record = RunRecord()
             self._check_plugin_knobs()
+            check_stop()  # a Ctrl-C that a hook swallowed still ends setup
             self.record.status = "ready"
             ok = True
+        except (KeyboardInterrupt, Terminated):
+            consume_stop()
+            raise
         finally:
             steps.close(ok)
-        if kwargs.get("run_ref") is not None:
-            kwargs["run_ref"][:] = [self]
 
     def _check_plugin_knobs(self) -> None:
         """Every knob the core does not act on, when set, must be accepted by a plugin."""

@@ -19,9 +19,11 @@ validation, ``finish(status)`` at the end.
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import jax
 import numpy as np
+import structlog
 
 from .experiment import fields_of, summarize_value
 from .hookspecs import hookimpl
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
+
+log = structlog.get_logger("jaxnitro")
 
 
 class _DefaultLogger:
@@ -147,11 +151,37 @@ def run_params(nitro, run_dir: str) -> dict:
 
 
 class LoggerRelay:
-    """A run-scoped plugin that drives one logger from the lifecycle events of one run."""
+    """A run-scoped plugin that drives one logger from the lifecycle events of one run.
+
+    An ``OSError`` from the logger (a full disk, a file-size limit, a lost
+    connection) does not end training: it is reported once (a ``RuntimeWarning``
+    and a structlog error naming the logger, its file or address, the verb and the
+    cause, also kept in ``nitro.record.problems``), and the logger gets nothing more
+    this run. Any other exception (a bad metric name, a logger bug) propagates.
+    """
 
     def __init__(self, logger, run):
         self.logger, self.run = logger, run
-        self.log_metrics = verb_of(logger, "log_metrics")
+        self.failed: OSError | None = None
+        for verb in LOGGER_VERBS:
+            verb_of(logger, verb)  # a missing verb fails at run start, not mid-run
+
+    def _call(self, verb: str, *args, **kwargs) -> None:
+        if self.failed is not None:
+            return
+        try:
+            getattr(self.logger, verb)(*args, **kwargs)
+        except OSError as err:
+            self.failed = err
+            where = logger_info(self.logger)
+            text = (
+                f"jaxnitro: logger {type(self.logger).__name__} ({where}) failed in `{verb}`: {err}. It "
+                f"gets nothing more this run; training goes on and the handle keeps its state. Free "
+                f"the disk (or fix the destination) and log again in a new run."
+            )
+            self.run.nitro.record.problems.append(text)
+            log.error("logger failed", logger=type(self.logger).__name__, verb=verb, error=repr(err), **where)
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
 
     def _mine(self, run) -> bool:
         return run is self.run
@@ -161,30 +191,29 @@ class LoggerRelay:
         if self._mine(run):
             from .describe import describe
 
-            verb_of(self.logger, "log_params")(run_params(run.nitro, run.run_dir))
-            verb_of(self.logger, "log_other")("binding_report", describe(run.nitro, "report"))
+            self._call("log_params", run_params(run.nitro, run.run_dir))
+            self._call("log_other", "binding_report", describe(run.nitro, "report"))
 
     @hookimpl
     def jaxnitro_steps_read(self, run, stretch):
-        if self._mine(run):
-            log = self.log_metrics
+        if self._mine(run) and self.failed is None:
             for step, epoch, line in stretch.lines(run.settings.log_every_n_steps):
-                log(line, step=step, epoch=epoch, context="train")
+                self._call("log_metrics", line, step=step, epoch=epoch, context="train")
 
     @hookimpl
     def jaxnitro_epoch_trained(self, run, epoch, step, stats):
         if self._mine(run):
-            self.log_metrics(dict(stats), step=step, epoch=epoch, context="data")
+            self._call("log_metrics", dict(stats), step=step, epoch=epoch, context="data")
 
     @hookimpl
     def jaxnitro_split_evaluated(self, run, split, metrics, context):
         if self._mine(run):
-            self.log_metrics(metrics, step=run.nitro.step, epoch=run.nitro.epoch, context=context)
+            self._call("log_metrics", metrics, step=run.nitro.step, epoch=run.nitro.epoch, context=context)
 
     @hookimpl
     def jaxnitro_run_finish(self, run, status):
         if self._mine(run):
-            verb_of(self.logger, "finish")(status)
+            self._call("finish", status)
 
 
 # -- public helpers -------------------------------------------------------------------

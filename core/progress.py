@@ -21,6 +21,7 @@ import contextlib
 import threading
 
 from .events import emit
+from .interrupts import check as check_stop
 from .plugin_manager import disabled_note, first_result
 
 __all__ = [
@@ -145,8 +146,11 @@ class SetupSteps:
         self.to("starting")
 
     def to(self, step: str) -> None:
-        """Name the step setup is in now (``"building data"``, ``"building model"``, ...)."""
+        """Name the step setup is in now (``"building data"``, ``"building model"``, ...).
+
+        Raises a Ctrl-C / SIGTERM that arrived and was swallowed by the step before."""
+        check_stop()
         emit("jaxnitro_setup_step", experiment=self.experiment, step=step)
 
     def close(self, ok: bool = True) -> None:
-        self.to("done" if ok else "failed")
+        emit("jaxnitro_setup_step", experiment=self.experiment, step="done" if ok else "failed")

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["TrainState", "Plan", "RunRecord"]
+__all__ = ["TrainState", "Plan", "ResumePoint", "RunRecord"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,19 @@ class TrainState:
     def replace(self, **changes) -> "TrainState":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def ema(self):
+        """The moving average of the params (``ema=jn.EMA(...)``; kept in the optimizer state), or None."""
+        from .optim import ema_of
+
+        return ema_of(self.opt_state)
+
+    @property
+    def eval_params(self):
+        """The params validation, evaluation, prediction and ``nitro.model`` use: the EMA when on."""
+        ema = self.ema
+        return self.params if ema is None else ema
+
 
 jax.tree_util.register_dataclass(
     TrainState, data_fields=["params", "model_state", "opt_state", "rng"], meta_fields=["step", "epoch"]
@@ -86,7 +99,10 @@ class Plan:
     - ``programs``: the handle's :class:`~jaxnitro.programs.ProgramSet`;
     - ``opt_spec``, ``tx``, ``base_lr``: the optimizer (None without a train split);
     - ``bindings``: where each schedule landed;
-    - ``weights_from``: where the initial weights came from, in words.
+    - ``weights_from``: where the initial weights came from, in words;
+    - ``derived``: what ``derive`` returned (or the record restored), ``{field: host value}``;
+    - ``anchor_from``: what ``decay_anchor = "w0"`` groups decay toward, in words;
+    - ``resumed``: for ``resume=``, where the run continues from (:class:`ResumePoint`), else None.
     """
 
     hooks: dict
@@ -101,6 +117,25 @@ class Plan:
     base_lr: float | None = None
     bindings: Any = None
     weights_from: str = ""
+    derived: dict = field(default_factory=dict)
+    anchor_from: str = "build_model"
+    resumed: "ResumePoint | None" = None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed handle continues: the checkpoint, its run folder and position.
+
+    ``continue_folder`` is True when the checkpoint is its run's newest: the run
+    then continues that folder (its ``metrics.jsonl``, its checkpoints); otherwise
+    (an earlier checkpoint, e.g. ``restore_best``) it branches into a new folder.
+    """
+
+    path: str
+    run_folder: str | None
+    step: int
+    epoch: int
+    continue_folder: bool
 
 
 @dataclass
@@ -108,10 +143,11 @@ class RunRecord:
     """What a handle's run leaves behind.
 
     ``status``: ``"setup"``, ``"ready"``, ``"running"``, then ``"done"``,
-    ``"diverged"``, ``"interrupted"`` or ``"failed"``; ``stop_reason``: why a run
+    ``"diverged"``, ``"interrupted"``, ``"terminated"`` or ``"failed"``; ``stop_reason``: why a run
     ended before ``max_epochs``; ``rows``: one history row per epoch; ``run_dir``:
     the run's folder; ``loggers``: the run's loggers; ``diverged_at``:
-    ``(step, epoch)`` of the first non-finite loss.
+    ``(step, epoch)`` of the first non-finite loss; ``problems``: what went wrong
+    without ending the run (a logger's I/O error), as messages.
     """
 
     status: str = "setup"
@@ -120,3 +156,4 @@ class RunRecord:
     run_dir: str | None = None
     loggers: list = field(default_factory=list)
     diverged_at: tuple[int, int] | None = None
+    problems: list = field(default_factory=list)

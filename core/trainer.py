@@ -13,6 +13,7 @@ between epochs, so dispatch runs ahead of compute as in a hand-written
 from __future__ import annotations
 
 import datetime
+import enum
 import itertools
 import math
 import os
@@ -26,6 +27,9 @@ import structlog
 from .batches import batch_width, unwrap
 from .evaluation import evaluate_split, make_transfer
 from .events import RunContext, StepStretch, emit, emit_finish, run_scoped
+from .interrupts import Terminated, deferring, immediate, stop_signals
+from .interrupts import consume as consume_stop
+from .interrupts import request as stop_request
 from .logger import LoggerRelay, make_loggers
 from .prefetch import is_addressable
 from .progress import phase_start
@@ -44,8 +48,23 @@ divergence check's delay)."""
 
 
 def new_run_folder(root: str) -> str:
-    """Create and return a fresh ``root/<timestamp>-<n>`` folder; never reuses an existing one."""
+    """Create and return a fresh ``root/<timestamp>-<n>`` folder; never reuses an existing one.
+
+    Raises ``OSError`` (its own subclass) naming the folder, the cause and the fix when
+    ``root`` is a file or cannot be written.
+    """
     root = os.path.abspath(root)
+    try:
+        return _new_folder(root)
+    except OSError as err:
+        cause = "it is a file, not a folder" if os.path.isfile(root) else (err.strerror or repr(err))
+        raise type(err)(
+            f"jaxnitro: cannot create a run folder under run_dir={root!r}: {cause}. Pass a "
+            f"writable folder as `run_dir` (it is created if missing)."
+        ) from err
+
+
+def _new_folder(root: str) -> str:
     os.makedirs(root, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     n = 1
@@ -68,27 +87,42 @@ def run_training(nitro) -> None:
     ``"interrupted"`` (Ctrl-C) or ``"failed"`` (an exception, which
     propagates); a plugin failing to finish a run that already failed is
     reported as a warning, so it never hides the original exception.
+
+    Ctrl-C and SIGTERM stop the loop after the optimizer step in flight: the
+    steps already computed are read and logged, the state is published, the
+    run finishes as ``"interrupted"`` / ``"terminated"``, and then
+    ``KeyboardInterrupt`` / :class:`jaxnitro.Terminated` propagates. Whatever
+    fails, the handle keeps a final status.
     """
     record = nitro.record
-    record.status = "running"
-    record.run_dir = new_run_folder(nitro.settings.run_dir)
-    run = RunContext(nitro, record.run_dir)
     status = "failed"
-    try:
-        record.loggers = run.loggers = make_loggers(nitro.settings.logger, record.run_dir, nitro.experiment)
-        relays = [LoggerRelay(logger, run) for logger in run.loggers]
-        with run_scoped(relays):
-            try:
-                emit("jaxnitro_run_start", run=run)
-                status = _Run(nitro, run).run()
-            except KeyboardInterrupt:
-                status = "interrupted"
-                raise
-            finally:
-                record.status = status
-                emit_finish(run, status)
-    finally:
-        record.status = status
+    with stop_signals():
+        try:
+            record.status = "running"
+            record.run_dir = new_run_folder(nitro.settings.run_dir)
+            run = RunContext(nitro, record.run_dir)
+            record.loggers = run.loggers = make_loggers(nitro.settings.logger, record.run_dir, nitro.experiment)
+            with run_scoped([LoggerRelay(logger, run) for logger in run.loggers]):
+                try:
+                    emit("jaxnitro_run_start", run=run)
+                    status = _Run(nitro, run).run()
+                except (KeyboardInterrupt, Terminated) as stop:
+                    status = "terminated" if isinstance(stop, Terminated) else "interrupted"
+                    consume_stop()
+                    raise
+                finally:
+                    record.status = status
+                    emit_finish(run, status)
+        finally:
+            record.status = status
+
+
+class Outcome(enum.Enum):
+    """How an epoch's dispatch ended."""
+
+    COMPLETE = "complete"
+    STOPPED = "stopped"  # Ctrl-C / SIGTERM, honoured between optimizer steps
+    DIVERGED = "diverged"  # a read found a non-finite loss
 
 
 class _Run:
@@ -129,29 +163,56 @@ class _Run:
     # -- the loop ------------------------------------------------------------------------
 
     def run(self) -> str:
+        """The epochs; returns the status. Signals are deferred except while validating
+        (nothing is in flight then): a stop is honoured between optimizer steps and at the
+        phase boundaries, by :meth:`stop`."""
+        with deferring() as stop:
+            return self._epochs(stop)
+
+    def _epochs(self, stop) -> str:
         nitro = self.nitro
         validate = "val" in nitro.data
         last = nitro.settings.max_epochs
         for epoch in range(nitro.epoch + 1, last + 1):
             nitro.state = nitro.state.replace(epoch=epoch)
             phase_start(self.run_ctx, epoch, "train", "compiling train step" if self.step_prog.traces == 0 else None)
-            if self.train_epoch(epoch) or ((validate or epoch == last) and self.read(wait=True)):
+            outcome = self.train_epoch(epoch, stop)
+            if outcome is Outcome.STOPPED or stop.status is not None:
+                self.stop()
+            if outcome is Outcome.DIVERGED or ((validate or epoch == last) and self.read(wait=True)):
                 return self.diverged()
+            if stop.status is not None:
+                self.stop()
             if validate:
-                self.validate(epoch)
+                with immediate():
+                    self.validate(epoch)
                 emit("jaxnitro_epoch_end", run=self.run_ctx, row=nitro.rows[-1])
+            if stop.status is not None:
+                self.stop()
             if self.run_ctx.stop_reason is not None:
                 nitro.record.stop_reason = self.run_ctx.stop_reason
                 return "done"
         return "done"
 
-    def train_epoch(self, epoch: int) -> bool:
-        """Dispatch one epoch's steps; True if a read found a non-finite loss."""
+    def stop(self) -> None:
+        """A stop was requested: read and emit every step already computed, then raise."""
+        if self.read(wait=True):
+            self.diverged()
+        self.nitro.record.stop_reason = f"{stop_request.status} at step {self.nitro.step}"
+        raise stop_request.exception()
+
+    def train_epoch(self, epoch: int, stop) -> "Outcome":
+        """Dispatch one epoch's steps (fewer when ``stop`` is requested or a read diverges).
+
+        Signals are deferred (see :meth:`run`): a Ctrl-C is honoured after the optimizer
+        step in flight, never inside a call that donated its buffers. The leaves of the
+        last completed step are published whatever happens.
+        """
         nitro, scheds, accumulate = self.nitro, self.scheds, self.accumulate
         step_fn, scale, dev = self.step_prog.jitted, self.scale, nitro.device_values
         params, mstate, opt_state = nitro.state.leaves()
         acc, micro, step = None, 0, nitro.step
-        wait, diverged = 0.0, False
+        wait, outcome = 0.0, Outcome.COMPLETE
         t_epoch = t0 = time.perf_counter()
         stream = self.train.epoch(epoch, self.transfer)
         try:
@@ -167,21 +228,25 @@ class _Run:
                     acc, micro = None, 0
                     step += 1
                     self.pending.append(aux)
-                    if len(self.pending) >= READ_EVERY:
-                        diverged = self.read(wait=False)
-                        if diverged:
-                            break
+                    if stop.status is not None:
+                        outcome = Outcome.STOPPED
+                        break
+                    if len(self.pending) >= READ_EVERY and self.read(wait=False):
+                        outcome = Outcome.DIVERGED
+                        break
                 t0 = time.perf_counter()
         finally:
             stream.close()
             self.publish(params, mstate, opt_state, step)
+        if outcome is Outcome.STOPPED:
+            return outcome  # no row for a partial epoch; its steps are still read and logged
         self.epoch_ends.append((epoch, step))
         if self.first_unread > step:  # its last step was already read during the epoch
             self._emit_unvalidated_end(self._close_epoch())
         elapsed = time.perf_counter() - t_epoch
         stats = {"data_wait_frac": wait / elapsed if elapsed else 0.0}
         emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats)
-        return diverged
+        return outcome
 
     def publish(self, p, s, o, step: int) -> None:
         """Make the leaves of the last completed optimizer step the handle's state."""

@@ -1,4 +1,11 @@
-"""Built-in jaxnitro plugins (each registered as an entry point in group ``jaxnitro``).
+"""Built-in jaxnitro feature plugins, each its own entry point in group ``jaxnitro``.
 
-* ``progress``: the tqdm progress reporter (``jaxnitro_make_progress_reporter``).
+* ``progress``: the progress display and the tqdm / silent reporters;
+* ``early_stopping``: ``jn.EarlyStopping`` and the ``early_stop`` knob;
+* ``history_table``: a history as a terminal table, HTML, CSV or pandas;
+* ``report``: ``print(nitro)``, the binding report and an experiment's repr;
+* ``staleness``: the stale-handle report before each verb.
+
+The core never imports these modules (an import-linter contract in CI); it
+reaches them through the hooks in :mod:`jaxnitro.hookspecs`.
 """
