@@ -138,6 +138,7 @@ class _Run:
 
     def __init__(self, nitro, run: RunContext):
         self.nitro, self.run_ctx = nitro, run
+        phase_start(run, nitro.epoch + 1, "train", "preparing")  # schedules, programs, streams
         train = nitro.data["train"]
         self.train = train
         self.accum = nitro.settings.accum

@@ -47,6 +47,9 @@ __all__ = [
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n:.2f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
 """tqdm ``bar_format`` of :class:`TqdmReporter`: position with two decimals, the run's ETA."""
 
+PHASES_FORMAT = "{desc} [{elapsed}]"
+"""tqdm ``bar_format`` for a stretch with no epochs (``total == 0``, setup): the label and the time."""
+
 
 class SilentReporter:
     """A progress reporter that shows nothing. Every method is a no-op."""
@@ -82,7 +85,9 @@ class TqdmReporter:
     **Contract.**
 
     - :meth:`begin` ``(total, label)`` opens the bar: ``total`` epochs,
-        ``label`` as its description. An open bar is closed first.
+        ``label`` as its description. An open bar is closed first. ``total ==
+        0`` opens a line of phases with no epochs (setup): the label and the
+        elapsed time, no bar and no rate.
     - :meth:`update` ``(position, label)`` sets the bar to ``position`` epochs
         (a float: completed epochs plus the running stretch's fraction) with
         ``label`` as the description. It is cheap (well under a microsecond of
@@ -130,12 +135,13 @@ class TqdmReporter:
             from tqdm.std import tqdm as bar_cls
 
             file = self.file
+        phases = total == 0
         total = total if total and total > 0 else None
         kwargs = dict(
             total=total,
             desc=label,
             file=file,
-            bar_format=BAR_FORMAT,
+            bar_format=PHASES_FORMAT if phases else BAR_FORMAT,
             unit="epoch",
             leave=self.leave,
             disable=False,
@@ -265,7 +271,7 @@ class _SetupDisplay:
 
     def __init__(self, reporter):
         self.reporter, self.step = reporter, "starting"
-        reporter.begin(1, self.label())
+        reporter.begin(0, self.label())  # total 0: phases, no epochs and no rate
 
     def label(self) -> str:
         note = current_note()
@@ -279,29 +285,39 @@ class _SetupDisplay:
         self.reporter.update(0, self.label())
 
     def close(self, ok: bool) -> None:
-        label = "setup done" if ok else "setup failed"
-        if ok:
-            self.reporter.update(1, label)
-        self.reporter.close(label)
+        self.reporter.close("setup done" if ok else "setup failed")
 
 
 class _RunDisplay:
     """One bar for a whole run: ``total`` epochs, the read steps interpolated.
 
-    Labels read ``epoch 3/40: train [compiling train step]`` and end
-    ``done: 40/40 epochs``. The position is the last step read back from the
-    device (not merely dispatched), in epochs.
+    Labels read ``epoch 3/40: train [compiling train step]``, followed once an
+    epoch has ended by its figures (``| train_loss 0.4123 | macro_recall
+    0.9207``: the mean train loss and the monitored metric of the last finished
+    epoch), and end ``done: 30/40 epochs``. The position is the last step read
+    back from the device (not merely dispatched), in epochs, so the rate and
+    ETA come from work actually done; at the end it is the epochs done.
     """
 
-    def __init__(self, reporter, total: int, steps_per_epoch: int):
+    def __init__(self, reporter, total: int, steps_per_epoch: int, monitor):
         self.reporter, self.total, self.steps_per_epoch = reporter, total, max(steps_per_epoch, 1)
-        self.epoch, self.phase, self.detail, self.position = 0, "setup", None, 0.0
-        reporter.begin(total, "setup")
+        self.monitor = monitor[0] if monitor else None
+        self.epoch, self.phase, self.detail, self.position, self.figures = 0, "starting", None, 0.0, ""
+        reporter.begin(total, self.label())
 
     def label(self) -> str:
         text = f"epoch {self.epoch}/{self.total}: {self.phase}"
         extra = self.detail or current_note()
-        return f"{text} [{extra}]" if extra else text
+        text = f"{text} [{extra}]" if extra else text
+        return f"{text} | {self.figures}" if self.figures else text
+
+    def epoch_end(self, row: dict) -> None:
+        figures = [f"train_loss {row['train_loss']:.4g}"]
+        value = row.get(self.monitor) if self.monitor else None
+        if isinstance(value, (int, float)):
+            figures.append(f"{self.monitor} {value:.4g}")
+        self.figures = " | ".join(figures)
+        self.move(float(row["epoch"]))
 
     def phase_start(self, epoch: int, phase: str, detail: str | None) -> None:
         self.epoch, self.phase, self.detail = epoch, phase, detail
@@ -317,6 +333,10 @@ class _RunDisplay:
 
     def close(self, status: str, epochs_done: int) -> None:
         self.reporter.close(f"{status}: {epochs_done}/{self.total} epochs")
+
+    def epochs_done(self, run) -> int:
+        """Complete epochs: the history's last row (an interrupted epoch is not one)."""
+        return run.nitro.rows[-1]["epoch"] if run.nitro.rows else 0
 
 
 _displays: list = []  # open displays, innermost last (a handle built inside a hook nests)
@@ -342,7 +362,7 @@ def jaxnitro_setup_step(experiment, step):
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
     reporter = make_reporter()
-    display = _RunDisplay(reporter, run.settings.max_epochs, run.steps_per_epoch) if reporter else None
+    display = _RunDisplay(reporter, run.settings.max_epochs, run.steps_per_epoch, run.monitor) if reporter else None
     _runs[id(run)] = display
     _displays.append(display)
 
@@ -365,7 +385,7 @@ def jaxnitro_steps_read(run, stretch):
 def jaxnitro_epoch_end(run, row):
     display = _runs.get(id(run))
     if display is not None:
-        display.move(float(row["epoch"]))
+        display.epoch_end(row)
 
 
 @hookimpl(trylast=True)
@@ -381,4 +401,4 @@ def jaxnitro_run_finish(run, status):
     if display in _displays:
         _displays.remove(display)
     if display is not None:
-        display.close(status, run.nitro.epoch)
+        display.close(status, display.epochs_done(run))

@@ -8,6 +8,8 @@ hook receives and where it runs), ``hooks`` (each hook that is not the
 experiment's own, with the plugin and distribution it came from),
 ``bindings`` (schedules and run knobs with their source) and ``parameter
 groups``. An experiment is described by its fields (marker, value, doc).
+The ``parameter groups`` band's ``anchor`` column says where each group's decay
+pulls: ``zero``, or ``w0 (<where the initial weights came from>)`` (L2-SP).
 Formats: ``"text"`` (sized to the terminal), ``"report"`` (120 columns, for a
 log) and ``"html"``.
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import html
 import shutil
+import textwrap
 from collections.abc import Sequence
 
+import attrs
 import jax
 
 from jaxnitro.experiment import fields_of, summarize_value
@@ -26,26 +30,49 @@ from jaxnitro.hookspecs import hookimpl
 __all__ = ["text_table", "html_table", "Band", "render_bands_text", "render_bands_html", "handle_bands"]
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+_MIN_COLUMN = 6
+
+
+def _column_widths(cells: list[list[str]], width: int) -> list[int]:
+    """Each column's natural width, the widest narrowed one character at a time until the
+    table fits ``width`` (down to a few characters per column)."""
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    budget = width - (3 * (len(widths) - 1) + 4)
+    while sum(widths) > budget:
+        i = max(range(len(widths)), key=widths.__getitem__)
+        if widths[i] <= _MIN_COLUMN:
+            break
+        widths[i] -= 1
+    return widths
+
+
+def _wrapped(cell: str, width: int) -> list[str]:
+    return textwrap.wrap(cell, width, break_on_hyphens=False) or [""]
 
 
 def text_table(
     title: str, header: Sequence[str], rows: Sequence[Sequence[object]], width: int | None = None
 ) -> str:
-    """A box-drawn table; the last column is clipped so the table fits ``width`` (terminal width)."""
+    """A box-drawn table at most ``width`` characters wide (default: the terminal's).
+
+    Columns keep their natural width when the table fits; otherwise the widest are
+    narrowed and their cells wrap onto more lines (a row stays one framed block).
+    """
     width = width or shutil.get_terminal_size((100, 24)).columns
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    fixed = sum(widths[:-1]) + 3 * (len(widths) - 1) + 4
-    widths[-1] = max(min(widths[-1], width - fixed), 8)
+    widths = _column_widths(cells, width)
     inner = sum(widths) + 3 * (len(widths) - 1) + 2
 
-    def line(r):
-        return "│ " + " │ ".join(_clip(c, w).ljust(w) for c, w in zip(r, widths)) + " │"
+    def lines(r):
+        parts = [_wrapped(c, w) for c, w in zip(r, widths)]
+        return [
+            "│ " + " │ ".join((p[k] if k < len(p) else "").ljust(w) for p, w in zip(parts, widths)) + " │"
+            for k in range(max(len(p) for p in parts))
+        ]
 
-    out = [title, "┌" + "─" * inner + "┐", line(cells[0]), "├" + "─" * inner + "┤"]
-    out += [line(r) for r in cells[1:]]
+    out = [title, "┌" + "─" * inner + "┐", *lines(cells[0]), "├" + "─" * inner + "┤"]
+    for r in cells[1:]:
+        out += lines(r)
     out.append("└" + "─" * inner + "┘")
     return "\n".join(out)
 
@@ -94,11 +121,13 @@ def handle_title(nitro) -> str:
     per_epoch, total = _horizon(nitro)
     horizon = f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})" if total is not None else "no train split"
     devices = ", ".join(str(d) for d in jax.devices()[: s.n_devs or 1])
+    ema = nitro.state.ema is not None
     return (
         f"Nitro({type(e).__name__})  status: {nitro.status}\n"
         f"  seed {s.seed} | accum {s.accum} | horizon {horizon} | batch {nitro.plan.width} | "
         f"devices {devices}\n"
         f"  weights: {nitro.plan.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
+        + (f" | EMA of the params (decay {nitro.plan.opt_spec.ema_decay:g})" if ema else "")
     )
 
 
@@ -137,6 +166,15 @@ def _hooks_band(nitro) -> Band:
     return Band("hooks not defined by the experiment", ("hook", "from"), rows)
 
 
+def _configured(value) -> str:
+    """A knob's value as configured: an attrs object by its constructor arguments only
+    (``EarlyStopping(patience=5, min_delta=0.0)``, not its running state)."""
+    if attrs.has(type(value)):
+        args = ", ".join(f"{f.name}={getattr(value, f.name)!r}" for f in attrs.fields(type(value)) if f.init)
+        return f"{type(value).__name__}({args})"
+    return repr(value)
+
+
 def _bindings_band(nitro) -> Band:
     s = nitro.settings
     rows = [("gradient_clip_norm", s.gradient_clip_norm or "off", s.source("gradient_clip_norm"))]
@@ -146,8 +184,10 @@ def _bindings_band(nitro) -> Band:
         rows.append((name, getattr(s, name), s.source(name)))
     if s.logger is not None:
         rows.append(("logger", s.logger, s.source("logger")))
-    if s.early_stop is not None:
-        rows.append(("early_stop", s.early_stop, s.source("early_stop")))
+    for name in ("early_stop", "checkpointer", "ema"):
+        value = getattr(s, name, None)
+        if value is not None:
+            rows.append((name, _configured(value), s.source(name)))
     return Band("bindings", ("binding", "value", "source"), rows)
 
 
@@ -160,7 +200,8 @@ def _groups_band(nitro) -> Band:
             wd_scheduled = (None, "weight_decay") in opt or (g.name, "weight_decay") in opt
             rate = f"schedule x {g.ratio:g}" if lr_scheduled else f"{nitro.plan.base_lr * g.ratio:g}"
             decay = "schedule" if wd_scheduled else g.weight_decay
-            rows.append((g.name, rate, g.ratio, "zero", decay, g.rule_name, g.n_params))
+            anchor = f"w0 ({nitro.plan.anchor_from})" if g.anchor == "w0" else g.anchor
+            rows.append((g.name, rate, g.ratio, anchor, decay, g.rule_name, g.n_params))
     return Band("parameter groups", ("group", "rate", "ratio", "anchor", "decay", "rule", "parameters"), rows)
 
 
@@ -190,7 +231,12 @@ def jaxnitro_describe(subject, format):
         title, bands = handle_title(subject), handle_bands(subject)
         if format == "html":
             return f"<pre>{html.escape(title)}</pre>" + render_bands_html(bands)
-        return title + "\n" + render_bands_text(bands, width=120 if format == "report" else None)
+        width = 120 if format == "report" else shutil.get_terminal_size((100, 24)).columns
+        title = "\n".join(
+            "\n".join(textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False)) or line
+            for line in title.splitlines()
+        )
+        return title + "\n" + render_bands_text(bands, width=width)
     name = type(subject).__name__
     if format == "html":
         return html_table(name, _FIELD_HEADER, _field_rows(subject))

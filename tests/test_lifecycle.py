@@ -94,6 +94,7 @@ def test_a_plugin_sees_a_runs_events_in_order(tmp_path):
         if e[0] in ("phase", "trained", "evaluated", "epoch_end"):
             per_epoch.append(e)
     assert per_epoch == [
+        ("phase", 1, "train"),  # preparing: schedules, programs, streams
         ("phase", 1, "train"), ("trained", 1, 6, True), ("phase", 1, "validate"),
         ("evaluated", "val", "validate", True), ("epoch_end", 1, 6, True),
         ("phase", 2, "train"), ("trained", 2, 12, True), ("phase", 2, "validate"),

@@ -213,3 +213,15 @@ def test_jsonl_log_has_the_binding_report_and_prefetch_params(tmp_path):
     assert params["n_params"] == TINY_PARAMS
     assert params["knob/max_epochs"] == 1 and params["field/width"] == 16
     assert lines[-1]["kind"] == "finish" and lines[-1]["status"] == "done"
+
+
+def test_a_72_column_terminal_gets_tables_that_fit_and_wrap(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "72")
+    n = jn.Nitro(Shown(), run_dir=tmp_path, logger=None, early_stop=None)
+    for text in (repr(n), repr(Shown())):
+        lines = text.splitlines()
+        assert max(len(line) for line in lines) <= 72
+    # a long doc wraps onto more lines of the same framed row instead of being cut
+    doc = "Per-class loss weights."
+    words = " ".join(line.strip("│ ").split("│")[-1].strip() for line in repr(Shown()).splitlines())
+    assert all(w in words for w in doc.split())
