@@ -51,6 +51,8 @@ from .plugin_manager import disabled_note, first_result
 __all__ = ["MetricHistory"]
 
 _FIXED = ("epoch", "step", "train_loss")
+FIXED_COLUMNS = _FIXED
+"""The columns every history row has; a metric may not take one of these names."""
 _MODES = ("max", "min")
 
 
@@ -163,6 +165,7 @@ class MetricHistory:
         "_total_epochs",
         "_resumed_from",
         "_best",
+        "_selected",
     )
 
     def __init__(
@@ -254,7 +257,8 @@ class MetricHistory:
             resumed_from,
         )
 
-    def _init(self, rows, columns, scalar, monitor, title, run_dir, total_epochs, resumed_from):
+    def _init(self, rows, columns, scalar, monitor, title, run_dir, total_epochs, resumed_from, selected=None):
+        self._selected: tuple[str, ...] | None = selected
         self._rows: list[dict[str, Any]] = rows
         self._columns: list[str] = columns
         self._scalar: dict[str, bool] = {c: scalar[c] for c in columns}
@@ -265,8 +269,9 @@ class MetricHistory:
         self._resumed_from = resumed_from
         self._best = self._find_best()
 
-    def _derive(self, rows: list[dict[str, Any]], columns: list[str]) -> MetricHistory:
-        """A selection: same metadata, the given rows restricted to ``columns``."""
+    def _derive(self, rows: list[dict[str, Any]], columns: list[str], selected=None) -> MetricHistory:
+        """A selection: same metadata, the given rows restricted to ``columns``; ``selected``
+        names the metrics a column selection picked (kept through a later epoch slice)."""
         new = object.__new__(MetricHistory)
         new._init(
             [{c: r[c] for c in columns} for r in rows],
@@ -277,6 +282,7 @@ class MetricHistory:
             self._run_dir,
             self._total_epochs,
             self._resumed_from,
+            tuple(selected) if selected is not None else self._selected,
         )
         return new
 
@@ -390,16 +396,16 @@ class MetricHistory:
         if isinstance(key, slice):
             return self._derive(self._epoch_range(key), self._columns)
         if isinstance(key, str):
-            return self._derive(self._rows, self._select_columns([key]))
+            return self._derive(self._rows, self._select_columns([key]), selected=[key])
         if isinstance(key, (tuple, list)) and key:
             first, rest = key[0], key[1:]
             if isinstance(first, slice):
                 if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
                     rest = tuple(rest[0])
                 if rest and all(isinstance(k, str) for k in rest):
-                    return self._derive(self._epoch_range(first), self._select_columns(rest))
+                    return self._derive(self._epoch_range(first), self._select_columns(rest), selected=rest)
             elif all(isinstance(k, str) for k in key):
-                return self._derive(self._rows, self._select_columns(key))
+                return self._derive(self._rows, self._select_columns(key), selected=key)
         raise TypeError(
             f"MetricHistory: cannot index with {key!r}. Use h[10:20] (epochs 10 to 20, "
             'inclusive), h["acc"] or h["acc", "f1"] (metrics), h[10:20, "acc"] (both), '
@@ -574,6 +580,30 @@ class MetricHistory:
         Needs no pandas. Raises ``RuntimeError`` if no plugin writes CSV.
         """
         return self._render_or_raise("csv", "to_csv()", path=path)
+
+    @property
+    def selected_columns(self) -> tuple[str, ...] | None:
+        """The metrics a column selection (``h["acc", "loss"]``) picked, in order; None when
+        no column selection was made."""
+        return self._selected
+
+    def plot(self, *, metrics=None, x: str = "epoch", ax=None, title: str | None = None):
+        """Plot the history; returns the figure (matplotlib with the built-in ``plot`` plugin).
+
+        Default: the monitored metric over epochs, its best epoch starred; a column
+        selection plots each selected metric; ``metrics="all"`` every scalar one;
+        ``x="step"`` the step axis with the per-step train lines; ``ax=`` draws into given
+        axes. Raises ``RuntimeError`` if no plugin plots histories.
+        """
+        options = {"metrics": metrics, "x": x, "ax": ax, "title": title}
+        figure = first_result("jaxnitro_plot", history=self, options=options)
+        if figure is None:
+            raise RuntimeError(
+                "MetricHistory.plot(): no plugin plots histories. The built-in plugin `plot` "
+                "(entry point `plot` in group `jaxnitro`, with matplotlib: pip install "
+                "'jaxnitro[plot]') provides it, and it is not loaded" + disabled_note() + "."
+            )
+        return figure
 
 
 # --------------------------------------------------------------------------

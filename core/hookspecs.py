@@ -147,6 +147,16 @@ def optimizer(self, group):
     """Return an optax rule factory taking ``learning_rate`` (default ``optax.radam``)."""
 
 @hookspec(firstresult=True)
+def decay_anchor(self, group):
+    """Return where ``group``'s decoupled weight decay pulls: ``"zero"`` (default) or ``"w0"``.
+
+    ``"w0"`` is L2-SP: the decay pulls toward the group's initial weights (those
+    ``build_model`` made), or toward the transferred weights when the handle is
+    built with ``weights=...`` and ``w0="weights"``. The anchor is a copy of
+    those weights held in the optimizer state (restored with it on resume).
+    """
+
+@hookspec(firstresult=True)
 def monitor(self):
     """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
 
@@ -189,7 +199,8 @@ class ExtensionSpec:
         """Return a progress reporter for ``name`` (``"auto"`` = the default), or ``None``.
 
         A reporter has ``begin(total, label)``, ``update(position, label)``
-        (``position`` in epochs, fractional) and ``close(label)``.
+        (``position`` in epochs, fractional) and ``close(label)``. ``total == 0``
+        is a stretch of named phases with no epochs (setup): show the label, no rate.
         """
 
     @hookspec(firstresult=True)
@@ -224,6 +235,15 @@ class ExtensionSpec:
         shows a one-line summary.
         """
 
+    @hookspec(firstresult=True)
+    def jaxnitro_plot(self, history, options):
+        """Plot a :class:`jaxnitro.MetricHistory`; return the figure, or ``None`` if not yours.
+
+        ``options`` are the keywords of ``h.plot(...)``: ``metrics`` (None, a name, a
+        list or ``"all"``), ``x`` (``"epoch"`` or ``"step"``), ``ax`` (axes to draw
+        into) and ``title``.
+        """
+
     @hookspec
     def jaxnitro_exports(self):
         """Return ``{name: object}``: public names this plugin adds to the ``jaxnitro`` namespace.
@@ -231,6 +251,26 @@ class ExtensionSpec:
         ``jn.EarlyStopping`` is the early-stopping plugin's export. A name the
         core already defines cannot be replaced; two plugins exporting one
         name is an error naming both.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_load_weights(self, spec, run_dir, experiment, monitor, purpose):
+        """Find the checkpoint(s) ``spec`` names; return a :class:`jaxnitro.weights.WeightsRecord`.
+
+        ``spec`` is what the handle was given: a checkpoint path, a run folder (name or
+        path), a ``(run, checkpoint)`` pair such as ``("latest", "best")``,
+        ``("latest", "last")``, ``("latest", 1200)`` (a step), an average such as
+        ``("latest", jn.Average(jn.Last(10)))``, or ``"auto"`` (``purpose="resume"``:
+        the newest checkpoint a run can continue from). ``run_dir`` is the ``run_dir``
+        knob (the folder holding run folders); ``monitor`` is ``(metric, "max" | "min")``
+        or None (what ``"best"`` ranks by); ``purpose`` is ``"weights"`` or ``"resume"``.
+
+        Return ``None`` if ``spec`` is not a form this plugin reads. Raise
+        :class:`jaxnitro.weights.NoCheckpointError` when nothing matches (for
+        ``resume="auto"`` the core then warns and starts fresh), and ``ValueError``
+        naming the path and the fix for a corrupt or incomplete checkpoint. Nothing is
+        read into memory but the record's metadata: the core checks it against the
+        experiment before it calls ``record.restore``.
         """
 
 
@@ -291,7 +331,8 @@ class LifecycleSpec:
     @hookspec
     def jaxnitro_run_finish(self, run, status):
         """The run ended with ``status``: ``"done"``, ``"diverged"``, ``"interrupted"``
-        or ``"failed"``. Called whatever happened, after the last event."""
+        (Ctrl-C), ``"terminated"`` (SIGTERM) or ``"failed"``. Called whatever happened,
+        after the last event."""
 
     @hookspec
     def jaxnitro_setup_step(self, experiment, step):
@@ -318,7 +359,7 @@ class LifecycleSpec:
 EXPERIMENT_HOOKS = (
     "build_data", "derive", "build_model", "forward", "loss", "metrics", "train_metrics",
     "finalize_metrics", "metrics_residency", "param_group", "learning_rate",
-    "learning_rate_ratio", "weight_decay", "optimizer", "monitor",
+    "learning_rate_ratio", "weight_decay", "optimizer", "decay_anchor", "monitor",
 )
 """Names of the experiment hooks, in contract order."""
 
@@ -326,4 +367,4 @@ EXTENSION_HOOKS = tuple(n for n in vars(ExtensionSpec) if not n.startswith("_"))
 """Names of the extension hooks."""
 
 LIFECYCLE_HOOKS = tuple(n for n in vars(LifecycleSpec) if not n.startswith("_"))
-"""Names of the lifecycle hooks, in the order a run calls them."""
+"""Names of the lifecycle hooks, in declaration order (docs/architecture.md gives the call order)."""

@@ -21,6 +21,7 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro.loggers.jsonl import JSONLLogger, read_jsonl
+from jaxnitro.plugin_manager import plugin_manager
 from tiny import Tiny, batches, make_arrays, tiny_data
 
 # 48 optimizer steps an epoch (batch 2): reads happen mid-epoch (every 32 steps)
@@ -32,25 +33,42 @@ def _leaves(n):
 
 
 def test_ctrl_c_at_random_points_never_deletes_the_model(tmp_path):
-    """50 trials, Ctrl-C (a real SIGINT to this process) at seeded random moments of train()."""
+    """50 trials, Ctrl-C (a real SIGINT to this process) at seeded random moments of train().
+
+    The timer starts from the run's own start event, so every signal lands inside train().
+    """
     rng = random.Random(1234)
     warm = jn.Nitro(Tiny(max_epochs=1), data=SMALL, run_dir=tmp_path, logger=None)
     warm.train()  # compile once; the trials below reuse the programs
-    for trial in range(50):
-        n = jn.Nitro(Tiny(max_epochs=10_000), data=SMALL, run_dir=tmp_path, logger="jsonl")
-        delay = rng.uniform(0.0, 0.15)
-        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            n.train()
-        timer.join()
-        assert n.status == "interrupted", trial
-        assert not any(x.is_deleted() for x in _leaves(n)), f"trial {trial}: deleted arrays"
-        # the log is finished and holds every step computed
-        lines = read_jsonl(Path(n.run_dir) / "metrics.jsonl")
-        assert lines[-1]["kind"] == "finish" and lines[-1]["status"] == "interrupted", trial
-        steps = [x["step"] for x in lines if x.get("context") == "train"]
-        assert steps == list(range(1, n.step + 1)), trial
+
+    class CtrlCAfter:
+        delay = 0.0
+        timer = None
+
+        @jn.hookimpl
+        def jaxnitro_run_start(self, run):
+            self.timer = threading.Timer(self.delay, os.kill, (os.getpid(), signal.SIGINT))
+            self.timer.start()
+
+    trigger = CtrlCAfter()
+    pm = plugin_manager()
+    pm.register(trigger, name="ctrl-c-after")
+    try:
+        for trial in range(50):
+            n = jn.Nitro(Tiny(max_epochs=10_000), data=SMALL, run_dir=tmp_path, logger="jsonl")
+            trigger.delay = rng.uniform(0.0, 0.15)
+            with pytest.raises(KeyboardInterrupt):
+                n.train()
+            trigger.timer.join()
+            assert n.status == "interrupted", trial
+            assert not any(x.is_deleted() for x in _leaves(n)), f"trial {trial}: deleted arrays"
+            # the log is finished and holds every step computed
+            lines = read_jsonl(Path(n.run_dir) / "metrics.jsonl")
+            assert lines[-1]["kind"] == "finish" and lines[-1]["status"] == "interrupted", trial
+            steps = [x["step"] for x in lines if x.get("context") == "train"]
+            assert steps == list(range(1, n.step + 1)), trial
+    finally:
+        pm.unregister(trigger)
     # the last handle is fully usable: validate, predict, and a new run from its weights
     assert np.isfinite(n.validate()["loss"])
     assert n.predict({"x": SMALL["val"][0]["x"]}).shape == (2, 4)

@@ -1,0 +1,410 @@
+"""Adapt grain data pipelines: ``jn.GrainSource`` and ``jn.GrainStream``.
+
+Entry point ``grain_loader``. A split that ``build_data`` returns as a grain
+pipeline is adapted through ``jaxnitro_adapt_source``:
+
+* a ``grain.MapDataset`` whose elements are batches (it has a ``.batch(...)``)
+  becomes a :class:`GrainSource`, *index-addressable*: several producer
+  threads read it, delivery is ordered, a run is reproducible bit for bit at
+  any worker count;
+* a ``grain.IterDataset`` or a ``grain.DataLoader`` becomes a
+  :class:`GrainStream`, iterated by one producer (an iterator cannot be
+  shared); its ``prefetch_note`` says so.
+
+A ``MapDataset`` of single records is refused, naming the fix
+(``.batch(batch_size, drop_remainder=True)``, or
+``jn.GrainSource(ds, batch_size=...)``).
+
+**Epochs.** jaxnitro's epoch ``e`` of a ``GrainSource`` is grain's epoch
+``e``: batch ``i`` is ``ds[e * len(ds) + i]``. grain's global shuffle reseeds
+each epoch (seed ``+ e``) and ``random_map`` draws per index, so every epoch
+differs and the same pipeline seed repeats the run. A ``GrainStream`` starts a
+fresh iterator each epoch: the pass grain's iterator makes from its start.
+
+**Reading at batch level.** Each ``batch_at`` is one grain read of a whole
+batch. When the pipeline ends in ``.batch(...)`` the records of the batch are
+fetched with one batched call down the pipeline (grain's ``_getitems``,
+which a source with batched reads, such as ``ArrayRecordDataSource``, serves
+in one go) and stacked with the batch's ``batch_fn``: the same values as
+``ds[index]``, without a per-record call chain. ``bench/grain_read.py``
+measures the paths.
+
+grain is imported only when a pipeline is adapted (``sys.modules``): this
+module loads, registers and answers ``None`` without grain installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+
+from jaxnitro.hookspecs import hookimpl
+from jaxnitro.prefetch.contract import check_epoch
+
+__all__ = ["GrainSource", "GrainStream"]
+
+log = structlog.get_logger("jaxnitro")
+
+
+def _grain():
+    try:
+        import grain
+    except ImportError as err:  # pragma: no cover - exercised without grain only
+        raise ImportError(
+            "jaxnitro: the grain adapter needs grain; install it with `pip install jaxnitro[grain]`"
+        ) from err
+    return grain
+
+
+def _as_batch(value: Any, fields: Sequence[str] | None, what: str) -> dict:
+    """A grain element as a jaxnitro batch: a dict of NumPy arrays."""
+    if isinstance(value, Mapping):
+        return {str(k): np.asarray(v) for k, v in value.items()}
+    if fields is not None and isinstance(value, (tuple, list)):
+        if len(value) != len(fields):
+            raise ValueError(
+                f"{what} has {len(value)} parts but fields={tuple(fields)} names {len(fields)}"
+            )
+        return {name: np.asarray(v) for name, v in zip(fields, value)}
+    shape = f" of {len(value)}" if isinstance(value, (tuple, list)) else ""
+    raise TypeError(
+        f"{what} is a {type(value).__name__}{shape}, not a dict; a jaxnitro batch is a dict "
+        f"{{field: array}}. Fix: make the pipeline yield dicts (`.map(lambda r: {{'x': r[0], "
+        f"'label': r[1]}})`), or name the parts: jn.GrainSource(ds, fields=('x', 'label'))"
+    )
+
+
+def _check_fields(fields: Any) -> tuple[str, ...] | None:
+    if fields is None:
+        return None
+    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+        raise TypeError(f"fields must be a tuple of field names, got {fields!r}")
+    return tuple(fields)
+
+
+# -- index-addressable: a batched MapDataset ---------------------------------------------
+
+
+def _nodes(ds):
+    """Every node of a pipeline (public ``parents``)."""
+    seen, todo = [], [ds]
+    while todo:
+        node = todo.pop()
+        seen.append(node)
+        todo.extend(getattr(node, "parents", ()))
+    return seen
+
+
+def _is_batched(ds) -> bool:
+    return any(type(n).__name__ in ("BatchMapDataset", "BatchIterDataset") for n in _nodes(ds))
+
+
+def _batched_read(ds):
+    """``index -> batch`` with the batch's records fetched in one batched call, or None.
+
+    For a pipeline ending in ``.batch(...)`` (grain's ``BatchMapDataset``), the
+    same records ``ds[index]`` reads, fetched with ``parent._getitems`` and
+    stacked with the node's ``batch_fn`` (grain's own batched-read pushdown).
+    Any other pipeline, or a grain whose internals differ, reads ``ds[index]``.
+    """
+    if type(ds).__name__ != "BatchMapDataset":
+        return None
+    try:
+        parent = ds.parents[0]
+        size, fn, getitems = int(ds._batch_size), ds._batch_fn, parent._getitems
+    except (AttributeError, IndexError, TypeError):
+        return None
+    n_batches, n_records = len(ds), len(parent)
+
+    def read(index: int):
+        epoch, i = divmod(index, n_batches)
+        start = epoch * n_records + i * size
+        stop = epoch * n_records + min(n_records, (i + 1) * size)
+        return fn(getitems(list(range(start, stop))))
+
+    return read
+
+
+class GrainSource:
+    """An index-addressable jaxnitro source over a ``grain.MapDataset`` of batches.
+
+    ``jn.GrainSource(grain.MapDataset.source(src).seed(0).shuffle().map(f).batch(100, drop_remainder=True))``
+
+    **Arguments:**
+
+    - ``dataset``: a ``grain.MapDataset`` whose elements are batches (it
+      contains a ``.batch(...)``), or of records when ``batch_size`` is given.
+      Elements are dicts of arrays (or tuples, with ``fields``).
+    - ``batch_size``, ``drop_last``: batch a dataset of records here
+      (``dataset.batch(batch_size, drop_remainder=drop_last)``).
+    - ``fields``: names for the parts of tuple elements (``("x", "label")``).
+    - ``workers``: producer threads jaxnitro runs for this split
+      (``prefetch_workers``); default: jaxnitro's, ``min(4, cpus)``.
+
+    ``len()`` is ``len(dataset)``, batches per epoch. ``begin_epoch(e)`` selects
+    grain's epoch ``e`` (indices ``e * len .. (e + 1) * len - 1``);
+    ``batch_at(i)`` reads batch ``i`` of it: the pipeline's own values, so its
+    seed, shuffle, maps, random maps, slicing and batch function are honoured.
+    Its randomness is the pipeline's (``ds.seed(...)``), not the run's ``seed``.
+
+    **Raises:** ``TypeError`` for a non-``MapDataset`` or a dataset of records
+    without ``batch_size``; ``ValueError`` for an empty dataset. ``batch_at``
+    raises ``ValueError`` when grain returns ``None`` for a batch (a filter
+    after ``.batch`` emptied it) and ``TypeError`` for an element that is not a
+    dict (and no ``fields``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        fields: Sequence[str] | None = None,
+        workers: int | None = None,
+    ):
+        grain = _grain()
+        if not isinstance(dataset, grain.MapDataset):
+            hint = (
+                "; an IterDataset or DataLoader is iterated: use jn.GrainStream"
+                if isinstance(dataset, (grain.IterDataset, grain.DataLoader)) else ""
+            )
+            raise TypeError(f"GrainSource takes a grain.MapDataset, got {type(dataset).__name__}{hint}")
+        if batch_size is not None:
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"GrainSource: batch_size must be an int >= 1, got {batch_size!r}")
+            dataset = dataset.batch(batch_size, drop_remainder=bool(drop_last))
+        elif not _is_batched(dataset):
+            raise TypeError(
+                f"GrainSource: this grain.MapDataset yields single records ({len(dataset)} of them), "
+                f"not batches. Fix: batch it, `ds.batch(batch_size, drop_remainder=True)` (the train "
+                f"split drops its partial batch), or pass jn.GrainSource(ds, batch_size=...)"
+            )
+        if workers is not None:
+            if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+                raise ValueError(f"GrainSource: workers must be an int >= 0, got {workers!r}")
+            self.prefetch_workers = workers
+        self.dataset = dataset
+        self.fields = _check_fields(fields)
+        self._len = len(dataset)
+        if self._len == 0:
+            raise ValueError("GrainSource: the grain.MapDataset has no batches (len 0)")
+        if self._len >= sys.maxsize:
+            raise ValueError(
+                "GrainSource: the grain.MapDataset is endless (`.repeat()` with no count); drop the "
+                "repeat: jaxnitro's epochs repeat the data, each epoch reshuffled by grain"
+            )
+        self._read = _batched_read(dataset) or dataset.__getitem__
+        self._plan = (0, 0)  # (epoch, grain index of the epoch's batch 0)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def epoch(self) -> int:
+        return self._plan[0]
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Serve grain's epoch ``epoch``: indices ``epoch * len(self) + i``."""
+        epoch = check_epoch(epoch)
+        self._plan = (epoch, epoch * self._len)
+
+    def batch_at(self, i: int) -> dict:
+        """Batch ``i`` (``0 <= i < len(self)``) of the current epoch; else ``IndexError``."""
+        if not 0 <= i < self._len:
+            raise IndexError(f"GrainSource: batch {i} out of range [0, {self._len})")
+        epoch, offset = self._plan
+        return self._batch(epoch, offset, int(i))
+
+    def _batch(self, epoch: int, offset: int, i: int) -> dict:
+        value = self._read(offset + i)
+        if value is None:
+            raise ValueError(
+                f"GrainSource: grain returned None for batch {i} of epoch {epoch} (a filter emptied "
+                f"it). A MapDataset with a filter is not index-addressable: filter before batching "
+                f"on an IterDataset (ds.to_iter_dataset().batch(...)), handed over as jn.GrainStream"
+            )
+        return _as_batch(value, self.fields, f"grain batch {i} of epoch {epoch}")
+
+    def __iter__(self):
+        """The current epoch's batches in order (the epoch is read once, at the start)."""
+        epoch, offset = self._plan
+        for i in range(self._len):
+            yield self._batch(epoch, offset, i)
+
+    def __repr__(self) -> str:
+        return f"GrainSource({len(self)} batches, epoch {self.epoch}, {self.dataset})"
+
+
+# -- iterated: an IterDataset or a DataLoader ------------------------------------------------
+
+# IterDataset nodes that yield one element per parent element.
+_ONE_TO_ONE = {
+    "MapIterDataset", "RandomMapIterDataset", "MapWithIndexIterDataset", "PrefetchIterDataset",
+    "ThreadPrefetchIterDataset", "WithOptionsIterDataset", "_WithSeedIterDataset",
+}
+_SPARSE_MAP = {"FilterMapDataset", "FlatMapMapDataset"}  # yield None, which to_iter_dataset skips
+
+
+def _batches(records: int, size: int, drop: bool) -> int:
+    return records // size if drop else -(-records // size)
+
+
+def _iter_length(ds, grain) -> int | None:
+    """Batches one pass of an IterDataset yields, when the pipeline makes it certain.
+
+    A chain of one-to-one nodes, at most one ``batch``, over a MapDataset with no
+    filter; ``mp_prefetch`` only below the batch (each worker would batch its own share).
+    """
+    node, batch = ds, None
+    while not isinstance(node, grain.MapDataset):
+        name = type(node).__name__
+        if name == "BatchIterDataset":
+            if batch is not None:
+                return None
+            batch = (int(node._batch_size), bool(node._drop_remainder))
+        elif not (name in _ONE_TO_ONE or (name == "ProcessPrefetchIterDataset" and batch is not None)):
+            return None
+        parents = getattr(node, "parents", ())
+        if len(parents) != 1:
+            return None
+        node = parents[0]
+    if any(type(n).__name__ in _SPARSE_MAP for n in _nodes(node)):
+        return None
+    records = len(node)
+    return records if batch is None else _batches(records, *batch)
+
+
+def _loader_length(loader, grain) -> int | None:
+    """Batches one pass of a ``grain.DataLoader`` yields: a finite sampler, Map/RandomMap
+    operations and one Batch, no worker processes (each would batch its own share)."""
+    try:
+        if loader.multiprocessing_options.num_workers > 0:
+            return None
+        records = len(loader._sampler)
+        if records >= sys.maxsize:  # num_epochs=None: endless
+            return None
+        records //= loader._shard_options.shard_count
+        ops = list(loader._operations)
+    except (AttributeError, TypeError):
+        return None
+    batch = None
+    for op in ops:
+        if isinstance(op, grain.transforms.Batch) and batch is None:
+            batch = (int(op.batch_size), bool(op.drop_remainder))
+        elif not isinstance(op, (grain.transforms.Map, grain.transforms.RandomMap)) or batch is not None:
+            return None
+    return records if batch is None else _batches(records, *batch)
+
+
+class GrainStream:
+    """A jaxnitro source that iterates a ``grain.IterDataset`` or ``grain.DataLoader``.
+
+    Not index-addressable: one producer thread iterates it (``prefetch_workers
+    = 1``); grain's own parallelism (``mp_prefetch``, ``worker_count``,
+    ``ReadOptions``) works inside that iteration. Each epoch starts a fresh
+    iterator, ``iter(dataset)``, so a pipeline shuffled before
+    ``to_iter_dataset()`` gives the same order every epoch: hand over the
+    ``MapDataset`` (:class:`GrainSource`) to reshuffle per epoch.
+
+    **Arguments:**
+
+    - ``dataset``: a ``grain.IterDataset`` or ``grain.DataLoader`` yielding batches.
+    - ``batches_per_epoch``: the batches an epoch takes from each fresh
+      iterator (the first ones; a shorter pass fails the epoch naming the
+      split). Needed unless the length is certain from the pipeline: an
+      IterDataset of one-to-one steps and one ``batch`` over an unfiltered
+      ``MapDataset``; a DataLoader with a finite sampler (``num_epochs`` set),
+      ``worker_count=0``, Map/RandomMap operations and one ``Batch``.
+    - ``fields``: names for the parts of tuple elements.
+
+    **Raises:** ``TypeError`` for another type (a ``MapDataset`` is
+    :class:`GrainSource`'s) or an uncertain length without ``batches_per_epoch``.
+    """
+
+    prefetch_workers = 1
+
+    def __init__(self, dataset: Any, *, batches_per_epoch: int | None = None, fields: Sequence[str] | None = None):
+        grain = _grain()
+        if isinstance(dataset, grain.MapDataset):
+            raise TypeError("GrainStream takes an IterDataset or DataLoader; a grain.MapDataset is "
+                            "index-addressable: use jn.GrainSource")
+        loader = isinstance(dataset, grain.DataLoader)
+        if not (loader or isinstance(dataset, grain.IterDataset)):
+            raise TypeError(f"GrainStream takes a grain.IterDataset or grain.DataLoader, got "
+                            f"{type(dataset).__name__}")
+        self.kind = "DataLoader" if loader else "IterDataset"
+        if batches_per_epoch is not None:
+            if isinstance(batches_per_epoch, bool) or not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+                raise ValueError(f"GrainStream: batches_per_epoch must be an int >= 1, got {batches_per_epoch!r}")
+            n = batches_per_epoch
+        else:
+            n = _loader_length(dataset, grain) if loader else _iter_length(dataset, grain)
+            if n is None:
+                raise TypeError(
+                    f"jaxnitro: a grain {self.kind} has no len(), and this pipeline does not make "
+                    f"the number of batches per pass certain (a filter, an endless sampler or repeat, "
+                    f"worker processes batching their own shares, ...). Fix: "
+                    f"jn.GrainStream(ds, batches_per_epoch=N) (each epoch takes the first N batches "
+                    f"of a fresh iterator), or hand over the grain.MapDataset (index-addressable)"
+                )
+            if n == 0:
+                raise ValueError(f"GrainStream: the grain {self.kind} yields no batch")
+        self.dataset, self.fields = dataset, _check_fields(fields)
+        self._len, self._take = n, batches_per_epoch is not None
+        self.prefetch_note = (
+            f"grain {self.kind}: not index-addressable, 1 producer; each epoch restarts its iterator"
+        )
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        it = iter(self.dataset)
+        try:
+            values = itertools.islice(it, self._len) if self._take else it
+            for k, value in enumerate(values):
+                yield _as_batch(value, self.fields, f"grain {self.kind} batch {k}")
+        finally:
+            close = getattr(it, "close", None)
+            if callable(close):
+                close()
+
+    def __repr__(self) -> str:
+        return f"GrainStream({self.kind}, {len(self)} batches per epoch)"
+
+
+# -- the hooks --------------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def jaxnitro_adapt_source(source, split):
+    """A batched ``grain.MapDataset`` -> :class:`GrainSource`; an ``IterDataset`` or
+    ``DataLoader`` -> :class:`GrainStream` (noted at setup); anything else -> ``None``."""
+    grain = sys.modules.get("grain")
+    if grain is None:  # nobody imported grain, so this is no grain pipeline
+        return None
+    if isinstance(source, grain.MapDataset):
+        if not _is_batched(source):
+            raise TypeError(
+                f"jaxnitro: split `{split}` is a grain.MapDataset of single records, not batches. "
+                f"Fix: return `ds.batch(batch_size, drop_remainder=True)` (evaluation splits may keep "
+                f"the partial batch), or jn.GrainSource(ds, batch_size=...)"
+            )
+        return GrainSource(source)
+    if isinstance(source, (grain.IterDataset, grain.DataLoader)):
+        stream = GrainStream(source)
+        log.info("split is iterated by one producer", split=split, note=stream.prefetch_note,
+                 fix="hand over a batched grain.MapDataset for several ordered producers")
+        return stream
+    return None
+
+
+@hookimpl(trylast=True)
+def jaxnitro_exports():
+    return {"GrainSource": GrainSource, "GrainStream": GrainStream}

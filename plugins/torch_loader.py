@@ -1,0 +1,357 @@
+"""Adapt ``torch.utils.data.DataLoader``: ``jn.TorchSource`` and ``jn.TorchStream``.
+
+Entry point ``torch_loader``. A split that ``build_data`` returns as a torch
+``DataLoader`` is adapted through ``jaxnitro_adapt_source``:
+
+* over a *map-style* dataset with torch's own samplers (``shuffle=True`` /
+  ``False``, a ``RandomSampler``, ``SequentialSampler`` or
+  ``SubsetRandomSampler``, batched by a plain ``BatchSampler``) it becomes a
+  :class:`TorchSource`, *index-addressable*: jaxnitro reads the loader's
+  settings (dataset, batch size, ``drop_last``, sampler, ``collate_fn``,
+  generator seed) and rebuilds each epoch's plan itself instead of iterating
+  the loader, so several producer threads read it in order and a fixed seed
+  reproduces a run bit for bit at any worker count;
+* anything else (an ``IterableDataset``, a custom sampler or batch sampler) is
+  a :class:`TorchStream`, iterated by one producer; its ``prefetch_note`` says
+  why.
+
+Tensors become NumPy arrays without a copy (``Tensor.numpy``; ``bfloat16``
+through a view). torch is never imported here: the hook looks in
+``sys.modules`` (a ``DataLoader`` exists only once torch is imported), so
+this module loads, registers and answers ``None`` without torch installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+
+from jaxnitro.hookspecs import hookimpl
+from jaxnitro.prefetch.contract import check_epoch
+
+__all__ = ["DEFAULT_SEED", "TorchSource", "TorchStream"]
+
+log = structlog.get_logger("jaxnitro")
+
+DEFAULT_SEED = 0
+"""The shuffle seed of a loader with no ``generator`` (and no ``seed=``)."""
+
+
+def _torch_data():
+    """``torch.utils.data``, imported (by the caller's own import of torch) or importable."""
+    try:
+        from torch.utils import data
+    except ImportError as err:  # pragma: no cover - exercised without torch only
+        raise ImportError(
+            "jaxnitro: the torch adapter needs torch; install it with `pip install jaxnitro[torch]`"
+        ) from err
+    return data
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:  # NumPy has no bfloat16: view the bits as ml_dtypes'
+            import ml_dtypes
+
+            return value.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return value.numpy(force=True)  # a CPU tensor shares its memory: no copy
+    return np.asarray(value)
+
+
+def _as_batch(value: Any, fields: Sequence[str] | None, what: str) -> dict:
+    """A collated torch batch as a jaxnitro batch: a dict of NumPy arrays."""
+    if isinstance(value, Mapping):
+        return {str(k): _to_numpy(v) for k, v in value.items()}
+    if fields is not None and isinstance(value, (tuple, list)):
+        if len(value) != len(fields):
+            raise ValueError(f"{what} has {len(value)} parts but fields={tuple(fields)} names {len(fields)}")
+        return {name: _to_numpy(v) for name, v in zip(fields, value)}
+    shape = f" of {len(value)}" if isinstance(value, (tuple, list)) else ""
+    raise TypeError(
+        f"{what} is a {type(value).__name__}{shape}, not a dict; a jaxnitro batch is a dict "
+        f"{{field: array}}. Fix: return dicts from the dataset's __getitem__ (default_collate "
+        f"keeps them), or name the parts: jn.TorchSource(loader, fields=('x', 'label'))"
+    )
+
+
+def _check_fields(fields: Any) -> tuple[str, ...] | None:
+    if fields is None:
+        return None
+    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+        raise TypeError(f"fields must be a tuple of field names, got {fields!r}")
+    return tuple(fields)
+
+
+def _warn(option: str, message: str, stacklevel: int = 4) -> None:
+    """A ``UserWarning`` naming the DataLoader option; ``stacklevel`` points at the user's call."""
+    warnings.warn(f"jaxnitro: DataLoader({option}): {message}", UserWarning, stacklevel=stacklevel)
+
+
+# -- index-addressable: a map-style dataset with torch's samplers ------------------------
+
+
+def _unplannable(loader, data) -> str | None:
+    """Why jaxnitro cannot rebuild ``loader``'s plan, or None when it can."""
+    if isinstance(loader.dataset, data.IterableDataset):
+        return "its dataset is an IterableDataset (no index to address)"
+    try:
+        len(loader.dataset)
+    except TypeError:
+        return "its dataset has no len()"
+    sampler = loader.sampler
+    if type(sampler) not in (data.SequentialSampler, data.RandomSampler, data.SubsetRandomSampler):
+        return f"its sampler is a {type(sampler).__name__}, whose plan jaxnitro cannot rebuild"
+    bs = loader.batch_sampler
+    if bs is not None and (type(bs) is not data.BatchSampler or bs.sampler is not sampler):
+        return f"its batch_sampler is a {type(bs).__name__}, whose plan jaxnitro cannot rebuild"
+    return None
+
+
+def _generator_seed(loader) -> int | None:
+    gen = getattr(loader.sampler, "generator", None) or loader.generator
+    return None if gen is None else int(gen.initial_seed())
+
+
+class TorchSource:
+    """An index-addressable jaxnitro source rebuilt from a torch ``DataLoader``.
+
+    ``jn.TorchSource(DataLoader(ds, batch_size=100, shuffle=True, drop_last=True, generator=g))``
+
+    The loader is never iterated. Its settings are read once:
+
+    - ``dataset`` (map-style), read per batch as torch's fetcher does:
+      ``dataset.__getitems__(indices)`` when defined, else ``[dataset[i] ...]``,
+      then ``collate_fn``; with ``batch_size=None`` each index is one batch,
+      ``collate_fn(dataset[i])``;
+    - the sampler: ``SequentialSampler`` (in order), ``RandomSampler``
+      (``replacement``, ``num_samples`` honoured), ``SubsetRandomSampler``;
+      ``batch_size`` and ``drop_last`` from its ``BatchSampler``;
+    - the seed: ``seed=`` when given, else the generator's ``initial_seed()``
+      (``DataLoader(generator=...)`` or the sampler's own), else
+      :data:`DEFAULT_SEED`. Epoch ``e``'s order is drawn from
+      ``numpy.random.default_rng((seed, e))``: a new order each epoch, the same
+      across runs. It is not the order torch's own iteration would give.
+    - ``num_workers`` becomes ``prefetch_workers``: that many producer
+      *threads* of this process read batches (0: in the training thread).
+
+    Options with no effect here warn, naming the option: ``pin_memory``,
+    ``persistent_workers``, ``worker_init_fn`` (never called: no worker
+    processes), ``timeout``, ``multiprocessing_context``, ``in_order=False``
+    (delivery is in order). ``prefetch_factor`` is replaced by the wrapper's
+    ``host_batches``.
+
+    **Arguments:** ``loader``; ``seed`` (int >= 0, overrides the generator's);
+    ``fields``: names for the parts of tuple/list batches (``TensorDataset``
+    yields ``[x, y]``: ``fields=("x", "label")``).
+
+    **Raises:** ``TypeError`` for a loader whose plan cannot be rebuilt
+    (an ``IterableDataset``, a custom sampler: use :class:`TorchStream`);
+    ``ValueError`` for a bad seed or a loader with no batch.
+    """
+
+    def __init__(self, loader: Any, *, seed: int | None = None, fields: Sequence[str] | None = None):
+        data = _torch_data()
+        if not isinstance(loader, data.DataLoader):
+            raise TypeError(f"TorchSource takes a torch.utils.data.DataLoader, got {type(loader).__name__}")
+        reason = _unplannable(loader, data)
+        if reason is not None:
+            raise TypeError(
+                f"TorchSource: cannot make this DataLoader index-addressable: {reason}. Iterate it "
+                f"with jn.TorchStream(loader) (one producer), or use a map-style dataset with "
+                f"shuffle=True/False or a RandomSampler/SequentialSampler/SubsetRandomSampler"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"TorchSource: seed must be an int >= 0, got {seed!r}")
+        gen_seed = _generator_seed(loader)
+        self.seed = seed if seed is not None else gen_seed if gen_seed is not None else DEFAULT_SEED
+        self.loader, self.dataset, self.fields = loader, loader.dataset, _check_fields(fields)
+        self.sampler, self.collate_fn = loader.sampler, loader.collate_fn
+        bs = loader.batch_sampler
+        self.batch_size = None if bs is None else int(bs.batch_size)
+        self.drop_last = False if bs is None else bool(bs.drop_last)
+        n = len(self.sampler)
+        if self.batch_size is None:
+            self._len = n
+        else:
+            self._len = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        if self._len == 0:
+            raise ValueError(f"TorchSource: the DataLoader makes no batch ({n} samples, batch_size="
+                             f"{self.batch_size}, drop_last={self.drop_last})")
+        getitems = getattr(self.dataset, "__getitems__", None)
+        self._getitems = getitems if getitems else None
+        self.prefetch_workers = int(loader.num_workers)
+        self._warn_ineffective(loader)
+        self._plan: tuple[int, np.ndarray] = (0, self._order(0))
+
+    @staticmethod
+    def _warn_ineffective(loader) -> None:
+        why = "jaxnitro reads the dataset in threads of this process; there are no worker processes"
+        if loader.pin_memory:
+            _warn("pin_memory=True", "has no effect: JAX copies batches from NumPy arrays, not from "
+                  "torch's pinned memory. Drop it.")
+        if loader.persistent_workers:
+            _warn("persistent_workers=True", f"has no effect: {why}. Drop it.")
+        if loader.worker_init_fn is not None:
+            _warn("worker_init_fn", f"is never called: {why}. Set up what it prepares in the "
+                  "dataset itself (lazily, thread-safe), or iterate with jn.TorchStream(loader).")
+        if loader.timeout:
+            _warn(f"timeout={loader.timeout}", f"has no effect: {why}.")
+        if loader.multiprocessing_context is not None:
+            _warn("multiprocessing_context", f"has no effect: {why}.")
+        if getattr(loader, "in_order", True) is False:
+            _warn("in_order=False", "has no effect: jaxnitro delivers batches in order, so a run "
+                  "is reproducible at any worker count (PrefetchIterator(ordered=False) trades that).")
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The sample indices epoch ``epoch`` reads, in reading order (a function of (seed, epoch))."""
+        s = self.sampler
+        n = len(self.dataset)
+        if type(s).__name__ == "SequentialSampler":
+            return np.arange(n)
+        rng = np.random.default_rng((self.seed, epoch))
+        if type(s).__name__ == "SubsetRandomSampler":
+            indices = np.asarray(s.indices)
+            return indices[rng.permutation(len(indices))]
+        k = s.num_samples  # RandomSampler
+        if s.replacement:
+            return rng.integers(0, n, size=k)
+        return np.concatenate([rng.permutation(n) for _ in range(-(-k // n))])[:k]
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def epoch(self) -> int:
+        return self._plan[0]
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Fix epoch ``epoch``'s order: drawn from ``(seed, epoch)`` when the sampler shuffles."""
+        epoch = check_epoch(epoch)
+        self._plan = (epoch, self._order(epoch))
+
+    def batch_at(self, i: int) -> dict:
+        """Batch ``i`` (``0 <= i < len(self)``) of the current epoch; else ``IndexError``."""
+        if not 0 <= i < self._len:
+            raise IndexError(f"TorchSource: batch {i} out of range [0, {self._len})")
+        return self._read(self._plan[1], int(i))
+
+    def _read(self, order: np.ndarray, i: int) -> dict:
+        if self.batch_size is None:  # no auto-batching: the dataset returns whole batches
+            value = self.collate_fn(self.dataset[int(order[i])])
+        else:
+            idx = order[i * self.batch_size : (i + 1) * self.batch_size].tolist()
+            samples = self._getitems(idx) if self._getitems else [self.dataset[j] for j in idx]
+            value = self.collate_fn(samples)
+        return _as_batch(value, self.fields, f"the DataLoader's batch {i}")
+
+    def __iter__(self):
+        """The current epoch's batches in order (the plan is read once, at the start)."""
+        order = self._plan[1]
+        for i in range(self._len):
+            yield self._read(order, i)
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchSource({type(self.dataset).__name__}, {self._len} batches, batch_size="
+            f"{self.batch_size}, sampler={type(self.sampler).__name__}, drop_last={self.drop_last}, "
+            f"seed={self.seed})"
+        )
+
+
+# -- iterated: an IterableDataset or a custom sampler ------------------------------------------
+
+
+class TorchStream:
+    """A jaxnitro source that iterates a torch ``DataLoader`` (one producer thread).
+
+    For what :class:`TorchSource` cannot address: an ``IterableDataset``, a
+    custom sampler or batch sampler. Each epoch iterates the loader afresh
+    (``iter(loader)``), with all its options: its worker processes, pinning,
+    sampler. ``len()`` is ``batches_per_epoch`` when given (each epoch takes
+    the first that many batches), else ``len(loader)``.
+
+    Warnings, naming the option: ``num_workers > 0`` with no ``generator``
+    (the workers' seeds come from torch's global RNG, so jaxnitro's fixed seed
+    does not reproduce the split), ``pin_memory=True`` (no effect on JAX's
+    copy; it costs one), ``in_order=False`` with workers (delivery order then
+    varies between runs).
+
+    **Raises:** ``TypeError`` when the loader has no ``len()`` (an
+    ``IterableDataset`` without ``__len__``) and no ``batches_per_epoch``.
+    """
+
+    prefetch_workers = 1
+
+    def __init__(self, loader: Any, *, batches_per_epoch: int | None = None,
+                 fields: Sequence[str] | None = None, why: str | None = None):
+        data = _torch_data()
+        if not isinstance(loader, data.DataLoader):
+            raise TypeError(f"TorchStream takes a torch.utils.data.DataLoader, got {type(loader).__name__}")
+        if batches_per_epoch is not None:
+            if isinstance(batches_per_epoch, bool) or not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+                raise ValueError(f"TorchStream: batches_per_epoch must be an int >= 1, got {batches_per_epoch!r}")
+            n = batches_per_epoch
+        else:
+            try:
+                n = len(loader)
+            except TypeError:
+                raise TypeError(
+                    f"jaxnitro: this DataLoader has no len() ({type(loader.dataset).__name__} defines "
+                    f"no __len__), and jaxnitro needs the batches per epoch. Fix: define __len__ on "
+                    f"the dataset, or pass jn.TorchStream(loader, batches_per_epoch=N)"
+                ) from None
+        self.loader, self.fields = loader, _check_fields(fields)
+        self._len, self._take = n, batches_per_epoch is not None
+        why = why or _unplannable(loader, data) or "iterated as asked"
+        self.prefetch_note = f"torch DataLoader: not index-addressable ({why}); 1 producer"
+        if loader.num_workers > 0 and loader.generator is None:
+            _warn(f"num_workers={loader.num_workers}", "with no generator: the workers' seeds (and a "
+                  "shuffling sampler's order) come from torch's global RNG, so a fixed jaxnitro seed "
+                  "stops reproducing this split. Pass generator=torch.Generator().manual_seed(seed).", 3)
+        if loader.pin_memory:
+            _warn("pin_memory=True", "has no effect on JAX's host-to-device copy and costs a copy; drop it.", 3)
+        if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
+            _warn("in_order=False", "delivers batches as workers finish them: the order, and so the "
+                  "run, varies between runs. Drop it for a reproducible run.", 3)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        batches = itertools.islice(self.loader, self._len) if self._take else self.loader
+        for k, value in enumerate(batches):
+            yield _as_batch(value, self.fields, f"the DataLoader's batch {k}")
+
+    def __repr__(self) -> str:
+        return f"TorchStream({type(self.loader.dataset).__name__}, {self._len} batches per epoch)"
+
+
+# -- the hooks --------------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def jaxnitro_adapt_source(source, split):
+    """A torch ``DataLoader`` -> :class:`TorchSource` when its plan can be rebuilt, else
+    :class:`TorchStream` (noted at setup); anything else -> ``None``."""
+    data = sys.modules.get("torch.utils.data")
+    if data is None or not isinstance(source, data.DataLoader):
+        return None
+    why = _unplannable(source, data)
+    if why is None:
+        return TorchSource(source)
+    stream = TorchStream(source, why=why)
+    log.info("split is iterated by one producer", split=split, note=stream.prefetch_note,
+             fix="a map-style dataset with torch's samplers is read by several ordered producers")
+    return stream
+
+
+@hookimpl(trylast=True)
+def jaxnitro_exports():
+    return {"TorchSource": TorchSource, "TorchStream": TorchStream}

@@ -1,0 +1,218 @@
+"""The grain adapter (plugin ``grain_loader``): ``jn.GrainSource`` and ``jn.GrainStream``.
+
+A batched ``grain.MapDataset`` becomes index-addressable (several ordered producers, bitwise
+reproducible); an ``IterDataset`` / ``DataLoader`` is iterated by one producer and says so.
+Skipped, with the reason, when grain is not installed (``pip install jaxnitro[grain]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jaxnitro as jn
+import jaxnitro.exports
+from jaxnitro.batches import wrap_split
+from jaxnitro.plugin_manager import plugin_manager
+from jaxnitro.plugins import grain_loader as mod
+from tiny import Tiny, make_arrays
+
+NAME = "grain_loader"
+
+
+@pytest.fixture(autouse=True)
+def plugin():
+    """Register the plugin unless its entry point already loaded it; undo afterwards."""
+    pm = plugin_manager()
+    mine = pm.get_plugin(NAME) is None
+    if mine:
+        pm.register(mod, name=NAME)
+        jaxnitro.exports.forget()
+    yield
+    if mine:
+        pm.unregister(name=NAME)
+        jaxnitro.exports.forget()
+
+
+@pytest.fixture
+def grain():
+    return pytest.importorskip("grain", reason="grain is not installed (pip install jaxnitro[grain])")
+
+
+class Rows:
+    """A grain random-access source: one dict record per row."""
+
+    def __init__(self, n=96, seed=0):
+        self.x, self.y, self.oh = make_arrays(n, seed)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "label": self.oh[i], "y": self.y[i], "row": np.int64(i)}
+
+
+def pipeline(grain, n=96, seed=3, batch=16, drop=True):
+    ds = grain.MapDataset.source(Rows(n)).seed(seed).shuffle()
+    ds = ds.random_map(lambda r, rng: {**r, "noise": rng.normal(size=2).astype(np.float32)})
+    return ds.map(lambda r: {**r, "x": r["x"] * 2}).batch(batch, drop_remainder=drop)
+
+
+def rows_of(src, epoch):
+    src.begin_epoch(epoch)
+    return np.concatenate([src.batch_at(i)["row"] for i in range(len(src))])
+
+
+def test_exports(grain):
+    assert jn.GrainSource is mod.GrainSource and jn.GrainStream is mod.GrainStream
+
+
+def test_map_dataset_becomes_index_addressable(grain):
+    ds = pipeline(grain)
+    wrapped = wrap_split(ds, "train")
+    assert isinstance(wrapped.source, mod.GrainSource)
+    assert wrapped.addressable and wrapped.info()["path"].startswith("batch_at")
+    assert len(wrapped) == 6
+    for epoch in (0, 1, 3):
+        jn.check_batch_at(wrapped.source, epoch=epoch)
+
+
+def test_batch_reads_equal_grains_own_reads(grain):
+    """The batched read (one _getitems per batch) gives exactly ds[e * len + i]."""
+    ds = pipeline(grain, n=90, drop=False)  # a partial final batch too
+    src = mod.GrainSource(ds)
+    assert mod._batched_read(ds) is not None
+    for epoch in (0, 2):
+        src.begin_epoch(epoch)
+        for i in range(len(src)):
+            got, want = src.batch_at(i), ds[epoch * len(ds) + i]
+            assert set(got) == set(want)
+            assert all(np.array_equal(got[k], want[k]) for k in want)
+    # a pipeline that does not end in .batch is read with ds[index]
+    mapped = ds.map(lambda b: {**b, "extra": b["y"] + 1})
+    assert mod._batched_read(mapped) is None
+    other = mod.GrainSource(mapped)
+    other.begin_epoch(2)
+    assert np.array_equal(other.batch_at(1)["row"], mapped[2 * len(mapped) + 1]["row"])
+
+
+def test_each_epoch_reshuffled_and_reproducible(grain):
+    a, b = mod.GrainSource(pipeline(grain)), mod.GrainSource(pipeline(grain))
+    e1, e2 = rows_of(a, 1), rows_of(a, 2)
+    assert sorted(e1) == list(range(96)) and not np.array_equal(e1, e2)
+    assert np.array_equal(rows_of(b, 1), e1) and np.array_equal(rows_of(b, 2), e2)
+    assert not np.array_equal(rows_of(mod.GrainSource(pipeline(grain, seed=4)), 1), e1)
+    assert [len(bt["y"]) for bt in a] == [16] * 6  # iteration: the current epoch (2)
+    assert np.array_equal(np.concatenate([bt["row"] for bt in a]), e2)
+
+
+def train_params(tmp_path, grain, workers, name):
+    val = grain.MapDataset.source(Rows(40, seed=1)).batch(16)
+    data = {
+        "train": jn.PrefetchIterator(mod.GrainSource(pipeline(grain)), workers=workers),
+        "val": jn.PrefetchIterator(mod.GrainSource(val), workers=workers),
+    }
+    n = jn.train(Tiny(max_epochs=3), data=data, logger=None, run_dir=str(tmp_path / name), seed=2)
+    assert n.data["train"].info()["workers"] == workers
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(n.params)]
+
+
+def test_training_bitwise_equal_at_1_and_3_workers(tmp_path, grain):
+    one, three = train_params(tmp_path, grain, 1, "one"), train_params(tmp_path, grain, 3, "three")
+    assert all(np.array_equal(a, b) for a, b in zip(one, three))
+
+
+def test_records_are_refused_naming_batch(grain):
+    records = grain.MapDataset.source(Rows()).seed(0).shuffle()
+    with pytest.raises(TypeError, match=r"split `train` is a grain.MapDataset of single records.*\.batch\("):
+        wrap_split(records, "train")
+    with pytest.raises(TypeError, match="batch_size"):
+        mod.GrainSource(records)
+    src = mod.GrainSource(records, batch_size=16, drop_last=True, workers=2)
+    assert len(src) == 6 and src.prefetch_workers == 2
+    jn.check_batch_at(src, epoch=1)
+
+
+def test_tuple_elements_need_fields(grain):
+    ds = grain.MapDataset.source(Rows()).map(lambda r: (r["x"], r["label"])).batch(16)
+    with pytest.raises(TypeError, match=r"tuple of 2, not a dict.*fields=\('x', 'label'\)"):
+        mod.GrainSource(ds).batch_at(0)
+    src = mod.GrainSource(ds, fields=("x", "label"))
+    assert sorted(src.batch_at(0)) == ["label", "x"]
+    with pytest.raises(ValueError, match="2 parts but fields"):
+        mod.GrainSource(ds, fields=("x",)).batch_at(0)
+
+
+def test_endless_map_dataset_refused(grain):
+    with pytest.raises(ValueError, match="endless"):
+        mod.GrainSource(grain.MapDataset.source(Rows()).batch(16).repeat())
+
+
+def test_iter_dataset_is_iterated_by_one_producer(tmp_path, grain):
+    it = grain.MapDataset.source(Rows()).to_iter_dataset().batch(16, drop_remainder=True)
+    wrapped = wrap_split(it, "train")
+    src = wrapped.source
+    assert isinstance(src, mod.GrainStream) and not wrapped.addressable
+    assert wrapped.info()["path"] == "iterate, 1 producer" and len(src) == 6
+    assert "not index-addressable, 1 producer" in src.prefetch_note
+    rows = [b["row"] for b in src]
+    assert np.array_equal(np.concatenate(rows), np.arange(96))
+    assert np.array_equal(np.concatenate([b["row"] for b in src]), np.arange(96))  # a fresh pass
+    n = jn.train(Tiny(max_epochs=1), data={"train": it}, logger=None, run_dir=str(tmp_path))
+    assert n.state.step == 6
+
+
+def test_iter_length_inferred_only_when_certain(grain):
+    base = grain.MapDataset.source(Rows(90))
+    assert len(mod.GrainStream(base.to_iter_dataset().batch(16))) == 6
+    assert len(mod.GrainStream(base.to_iter_dataset().map(lambda r: r).batch(16, drop_remainder=True))) == 5
+    filtered = base.filter(lambda r: r["y"] > 0).to_iter_dataset().batch(16)
+    with pytest.raises(TypeError, match="batches_per_epoch=N"):
+        wrap_split(filtered, "train")
+    src = mod.GrainStream(filtered, batches_per_epoch=2)
+    assert len(src) == 2 and len(list(src)) == 2  # the first 2 batches of each pass
+
+
+def test_data_loader(grain):
+    loader = grain.DataLoader(
+        data_source=Rows(),
+        sampler=grain.samplers.IndexSampler(96, shuffle=True, seed=0, num_epochs=1,
+                                            shard_options=grain.sharding.NoSharding()),
+        operations=[grain.transforms.Batch(16, drop_remainder=True)],
+        worker_count=0,
+    )
+    src = wrap_split(loader, "train").source
+    assert isinstance(src, mod.GrainStream) and len(src) == 6 and src.kind == "DataLoader"
+    first = np.concatenate([b["row"] for b in src])
+    assert sorted(first) == list(range(96)) and np.array_equal(np.concatenate([b["row"] for b in src]), first)
+    endless = grain.DataLoader(
+        data_source=Rows(), sampler=grain.samplers.IndexSampler(96, shard_options=grain.sharding.NoSharding()),
+        operations=[grain.transforms.Batch(16)], worker_count=0,
+    )
+    with pytest.raises(TypeError, match="batches_per_epoch"):
+        mod.GrainStream(endless)
+    assert len(list(mod.GrainStream(endless, batches_per_epoch=8))) == 8
+
+
+def test_not_ours_returns_none(grain):
+    assert mod.jaxnitro_adapt_source(source=[{"x": np.zeros(2)}], split="train") is None
+
+
+def test_module_loads_and_answers_none_without_grain(monkeypatch):
+    """With grain absent the module imports, registers and adapts nothing."""
+    monkeypatch.setitem(sys.modules, "grain", None)  # `import grain` now raises ImportError
+    spec = importlib.util.spec_from_file_location("grain_loader_without_grain", mod.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    pm = plugin_manager()
+    pm.register(fresh, name="grain_loader_without_grain")
+    try:
+        assert fresh.jaxnitro_adapt_source(source=object(), split="train") is None
+        with pytest.raises(ImportError, match=r"jaxnitro\[grain\]"):
+            fresh.GrainSource(object())
+    finally:
+        pm.unregister(name="grain_loader_without_grain")

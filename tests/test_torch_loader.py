@@ -1,0 +1,287 @@
+"""The torch adapter (plugin ``torch_loader``): ``jn.TorchSource`` and ``jn.TorchStream``.
+
+A ``DataLoader`` over a map-style dataset becomes index-addressable (its plan rebuilt per
+epoch from its settings; bitwise reproducible at any worker count); an iterable-style one is
+iterated by one producer and says so; options that have no effect warn, naming the option.
+Tests that need torch are skipped, with the reason, when it is not installed
+(``pip install jaxnitro[torch]``); the module itself loads without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import jaxnitro as jn
+import jaxnitro.exports
+from jaxnitro.batches import wrap_split
+from jaxnitro.plugin_manager import plugin_manager
+from jaxnitro.plugins import torch_loader as mod
+from tiny import Tiny, make_arrays
+
+NAME = "torch_loader"
+
+
+@pytest.fixture(autouse=True)
+def plugin():
+    """Register the plugin unless its entry point already loaded it; undo afterwards."""
+    pm = plugin_manager()
+    mine = pm.get_plugin(NAME) is None
+    if mine:
+        pm.register(mod, name=NAME)
+        jaxnitro.exports.forget()
+    yield
+    if mine:
+        pm.unregister(name=NAME)
+        jaxnitro.exports.forget()
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="torch is not installed (pip install jaxnitro[torch])")
+
+
+def rows_dataset(torch, n=96, seed=0):
+    """A map-style dataset of dict samples (tensors), with the row index."""
+    x, y, oh = make_arrays(n, seed)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return {"x": torch.from_numpy(x[i]), "label": torch.from_numpy(oh[i]), "y": int(y[i]), "row": i}
+
+    return Rows()
+
+
+def loader(torch, n=96, seed=0, **kw):
+    kw.setdefault("batch_size", 16)
+    return torch.utils.data.DataLoader(rows_dataset(torch, n, seed), **kw)
+
+
+def rows_of(src, epoch):
+    src.begin_epoch(epoch)
+    return np.concatenate([src.batch_at(i)["row"] for i in range(len(src))])
+
+
+def test_exports(torch):
+    assert jn.TorchSource is mod.TorchSource and jn.TorchStream is mod.TorchStream
+
+
+def test_map_style_loader_becomes_index_addressable(torch):
+    g = torch.Generator().manual_seed(5)
+    wrapped = wrap_split(loader(torch, shuffle=True, drop_last=True, generator=g), "train")
+    src = wrapped.source
+    assert isinstance(src, mod.TorchSource) and wrapped.addressable
+    assert (len(src), src.batch_size, src.drop_last, src.seed) == (6, 16, True, 5)
+    assert src.prefetch_workers == 0 and wrapped.info()["path"] == "synchronous"  # num_workers=0
+    for epoch in (0, 1, 4):
+        jn.check_batch_at(src, epoch=epoch)
+    b = src.batch_at(0)
+    assert b["x"].dtype == np.float32 and b["x"].shape == (16, 8) and b["y"].dtype == np.int64
+
+
+def test_epoch_order_per_epoch_reproducible_and_seeded(torch):
+    def make(gen_seed, **kw):
+        return mod.TorchSource(loader(torch, shuffle=True, generator=torch.Generator().manual_seed(gen_seed)), **kw)
+
+    a, b = make(1), make(1)
+    e1, e2 = rows_of(a, 1), rows_of(a, 2)
+    assert sorted(e1) == list(range(96)) and not np.array_equal(e1, e2)
+    assert np.array_equal(rows_of(b, 1), e1) and np.array_equal(rows_of(b, 2), e2)
+    assert not np.array_equal(rows_of(make(2), 1), e1)  # the generator's seed is the seed
+    assert np.array_equal(rows_of(make(2, seed=1), 1), e1)  # seed= overrides it
+    unseeded = mod.TorchSource(loader(torch, shuffle=True))
+    assert unseeded.seed == mod.DEFAULT_SEED
+    assert np.array_equal(rows_of(unseeded, 3), rows_of(mod.TorchSource(loader(torch, shuffle=True)), 3))
+    plain = mod.TorchSource(loader(torch, n=40))  # SequentialSampler, partial last batch kept
+    assert np.array_equal(rows_of(plain, 7), np.arange(40)) and len(plain) == 3
+
+
+def test_samplers_rebuilt(torch):
+    data = torch.utils.data
+    ds = rows_dataset(torch)
+    subset = data.DataLoader(ds, batch_size=8, sampler=data.SubsetRandomSampler(range(10, 50)))
+    src = mod.TorchSource(subset)
+    assert len(src) == 5 and sorted(rows_of(src, 1)) == list(range(10, 50))
+    repl = data.DataLoader(ds, batch_size=10, sampler=data.RandomSampler(ds, replacement=True, num_samples=30))
+    got = rows_of(mod.TorchSource(repl), 1)
+    assert len(got) == 30 and got.max() < 96
+    more = data.DataLoader(ds, batch_size=50, sampler=data.RandomSampler(ds, num_samples=150))
+    got = rows_of(mod.TorchSource(more), 2)
+    assert sorted(got[:96]) == list(range(96)) and len(got) == 150
+
+
+def test_getitems_and_no_autobatching_read_without_copies(torch):
+    x = torch.arange(96 * 3, dtype=torch.float32).reshape(96, 3)
+
+    class Batched(torch.utils.data.Dataset):
+        """Reads a whole batch at once (torch's __getitems__) and collates it itself."""
+
+        def __len__(self):
+            return 96
+
+        def __getitems__(self, idx):
+            return {"x": x[idx], "row": torch.tensor(idx)}
+
+    src = mod.TorchSource(torch.utils.data.DataLoader(Batched(), batch_size=16, collate_fn=lambda b: b))
+    assert np.array_equal(src.batch_at(1)["row"], np.arange(16, 32))
+
+    class Chunks(torch.utils.data.Dataset):
+        """batch_size=None: each index is a batch (here a view of the tensor)."""
+
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return {"x": x[16 * i : 16 * (i + 1)]}
+
+    chunks = mod.TorchSource(torch.utils.data.DataLoader(Chunks(), batch_size=None))
+    assert len(chunks) == 6 and chunks.batch_size is None
+    got = chunks.batch_at(2)["x"]
+    assert np.shares_memory(got, x.numpy()) and np.array_equal(got, x[32:48].numpy())  # no copy
+    jn.check_batch_at(chunks)
+
+
+def test_bfloat16_becomes_a_view(torch):
+    t = torch.arange(4, dtype=torch.float32).to(torch.bfloat16)
+    a = mod._to_numpy(t)
+    assert str(a.dtype) == "bfloat16" and np.array_equal(a.astype(np.float32), [0, 1, 2, 3])
+
+
+def train_params(tmp_path, torch, workers, name):
+    g = torch.Generator().manual_seed(7)
+    train = mod.TorchSource(loader(torch, shuffle=True, drop_last=True, generator=g))
+    val = mod.TorchSource(loader(torch, n=40, seed=1))
+    data = {"train": jn.PrefetchIterator(train, workers=workers), "val": jn.PrefetchIterator(val, workers=workers)}
+    n = jn.train(Tiny(max_epochs=3), data=data, logger=None, run_dir=str(tmp_path / name), seed=3)
+    assert n.data["train"].info()["workers"] == workers
+    return [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(n.params)]
+
+
+def test_training_bitwise_equal_at_1_and_3_workers(tmp_path, torch):
+    one, three = train_params(tmp_path, torch, 1, "one"), train_params(tmp_path, torch, 3, "three")
+    assert all(np.array_equal(a, b) for a, b in zip(one, three))
+
+
+def test_num_workers_become_producer_threads(torch):
+    wrapped = wrap_split(loader(torch, num_workers=2), "val")
+    assert wrapped.source.prefetch_workers == 2 and wrapped.info()["path"] == "batch_at, 2 producers"
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(pin_memory=True), "pin_memory=True"),
+        (dict(num_workers=2, persistent_workers=True), "persistent_workers=True"),
+        (dict(num_workers=2, worker_init_fn=print), "worker_init_fn"),
+        (dict(num_workers=2, timeout=5), "timeout=5"),
+        (dict(num_workers=2, multiprocessing_context="spawn"), "multiprocessing_context"),
+        (dict(num_workers=2, in_order=False), "in_order=False"),
+    ],
+)
+def test_ineffective_options_warn_naming_the_option(torch, kwargs, option):
+    with pytest.warns(UserWarning, match=rf"DataLoader\({option}\)"):
+        mod.TorchSource(loader(torch, **kwargs))
+
+
+def test_plain_loader_does_not_warn(torch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mod.TorchSource(loader(torch, shuffle=True, num_workers=2, generator=torch.Generator()))
+
+
+def test_tuple_batches_need_fields(torch):
+    x, _, oh = make_arrays(96)
+    ds = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(oh))
+    src = wrap_split(torch.utils.data.DataLoader(ds, batch_size=16), "train").source
+    with pytest.raises(TypeError, match=r"list of 2, not a dict.*fields=\('x', 'label'\)"):
+        src.batch_at(0)
+    named = mod.TorchSource(torch.utils.data.DataLoader(ds, batch_size=16), fields=("x", "label"))
+    assert np.array_equal(named.batch_at(1)["label"], oh[16:32])
+    jn.check_batch_at(named)
+
+
+def iterable(torch, n=96, with_len=True):
+    x, _, oh = make_arrays(n)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(n):
+                yield {"x": x[i], "label": oh[i], "row": i}
+
+    if with_len:
+        Stream.__len__ = lambda self: n
+    return Stream()
+
+
+def test_iterable_dataset_is_iterated_by_one_producer(tmp_path, torch):
+    dl = torch.utils.data.DataLoader(iterable(torch), batch_size=16)
+    wrapped = wrap_split(dl, "train")
+    src = wrapped.source
+    assert isinstance(src, mod.TorchStream) and not wrapped.addressable
+    assert wrapped.info()["path"] == "iterate, 1 producer" and len(src) == 6
+    assert "IterableDataset" in src.prefetch_note and "1 producer" in src.prefetch_note
+    assert np.array_equal(np.concatenate([b["row"] for b in src]), np.arange(96))
+    n = jn.train(Tiny(max_epochs=1), data={"train": dl}, logger=None, run_dir=str(tmp_path))
+    assert n.state.step == 6
+    with pytest.raises(TypeError, match="cannot make this DataLoader index-addressable: its dataset is an IterableDataset"):
+        mod.TorchSource(dl)
+
+
+def test_iterable_without_len_needs_batches_per_epoch(torch):
+    dl = torch.utils.data.DataLoader(iterable(torch, with_len=False), batch_size=16)
+    with pytest.raises(TypeError, match="batches_per_epoch=N"):
+        wrap_split(dl, "train")
+    src = mod.TorchStream(dl, batches_per_epoch=4)
+    assert len(src) == 4 and len(list(src)) == 4
+
+
+def test_custom_sampler_is_iterated_with_a_note(torch):
+    data = torch.utils.data
+    ds = rows_dataset(torch)
+    weighted = data.DataLoader(ds, batch_size=16, sampler=data.WeightedRandomSampler([1.0] * 96, 96,
+                                                                                      generator=torch.Generator()))
+    src = wrap_split(weighted, "train").source
+    assert isinstance(src, mod.TorchStream) and "WeightedRandomSampler" in src.prefetch_note
+
+
+def test_stream_warnings_name_the_option(torch):
+    dl = torch.utils.data.DataLoader(iterable(torch), batch_size=16, num_workers=2)
+    with pytest.warns(UserWarning, match=r"DataLoader\(num_workers=2\).*no generator.*stops reproducing"):
+        mod.TorchStream(dl)
+    with pytest.warns(UserWarning, match=r"DataLoader\(pin_memory=True\)"):
+        mod.TorchStream(torch.utils.data.DataLoader(iterable(torch), batch_size=16, pin_memory=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mod.TorchStream(torch.utils.data.DataLoader(iterable(torch), batch_size=16, num_workers=2,
+                                                    generator=torch.Generator().manual_seed(0)))
+
+
+def test_not_ours_returns_none(torch):
+    assert mod.jaxnitro_adapt_source(source=[{"x": np.zeros(2)}], split="train") is None
+    assert mod.jaxnitro_adapt_source(source=rows_dataset(torch), split="train") is None  # a Dataset
+
+
+def test_module_loads_and_answers_none_without_torch(monkeypatch):
+    """With torch absent the module imports, registers and adapts nothing (no torch needed)."""
+    for name in [m for m in sys.modules if m == "torch" or m.startswith("torch.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    spec = importlib.util.spec_from_file_location("torch_loader_without_torch", mod.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    pm = plugin_manager()
+    pm.register(fresh, name="torch_loader_without_torch")
+    try:
+        assert fresh.jaxnitro_adapt_source(source=object(), split="train") is None
+        with pytest.raises(ImportError, match=r"jaxnitro\[torch\]"):
+            fresh.TorchSource(object())
+    finally:
+        pm.unregister(name="torch_loader_without_torch")
