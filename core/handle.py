@@ -12,13 +12,14 @@ program compiles it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax
 import numpy as np
 
 from . import knobs as _knobs
+from .sources import batches_of, release_sources
 from .describe import describe
 from .events import emit
 from .history import MetricHistory
@@ -171,10 +172,13 @@ class Nitro:
     def predict(self, batch):
         """Run ``forward`` (inference mode) on new data; outputs are host NumPy arrays.
 
-        ``batch`` is a dict with (at least) the fields ``forward`` declares, or an
-        iterable of such dicts, for which a lazy iterator of outputs is returned.
-        A batch narrower than the compiled width is padded and sliced back; a
-        wider one is an error. A bare array is a ``TypeError``.
+        ``batch`` is a dict with (at least) the fields ``forward`` declares, or a
+        source of such dicts (a list, a generator, ``jn.ArraySource``, or a loader a
+        plugin adapts: a grain dataset, a torch ``DataLoader``), for which a lazy
+        iterator of outputs is returned, batch by batch in the source's order (an
+        index-addressable source is read as its epoch 0). A batch narrower than the
+        compiled width is padded and sliced back; a wider one is an error. A bare
+        array is a ``TypeError``.
         """
         emit("jaxnitro_before_verb", nitro=self, verb="predict")
         from .evaluation import predict_batch
@@ -189,11 +193,14 @@ class Nitro:
                 f"`nitro.predict({{{', '.join(repr(f) + ': ...' for f in fields)}}})` "
                 f"(fields `forward` declares: {list(fields)})."
             )
-        if isinstance(batch, Iterable):
-            return (predict_batch(self, b) for b in batch)
-        raise TypeError(
-            f"jaxnitro: `predict` takes a batch dict or an iterable of them, got {type(batch).__name__}."
-        )
+        try:
+            batches = batches_of(batch, "predict")
+        except TypeError:
+            raise TypeError(
+                f"jaxnitro: `predict` takes a batch dict or a source of them (an iterable, or a "
+                f"loader a plugin adapts), got {type(batch).__name__}."
+            ) from None
+        return (predict_batch(self, b) for b in batches)
 
     def history(self) -> MetricHistory:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics)."""
@@ -208,13 +215,13 @@ class Nitro:
     def release(self) -> None:
         """Release every split's source (calls ``release()`` on sources that define it).
 
-        Call it when done with the handle, or use the handle as a context manager
-        (``with jn.Nitro(e) as n: ...``). The framework does not release sources
-        by itself after ``train()``: the handle's ``validate``/``evaluate`` and a
-        rebuilt handle (``data=n.data``) still read them.
+        ``train()`` does it once when its run ends (done, diverged, interrupted or
+        failed); call it yourself for a handle that only evaluated or predicted, or
+        use the handle as a context manager (``with jn.Nitro(e) as n: ...``). A
+        released source must reopen on its next epoch, so ``validate``/``evaluate``
+        after a run and a rebuilt handle (``data=n.data``) keep working.
         """
-        for src in self.data.values():
-            src.release()
+        release_sources(self.data)
 
     def __enter__(self) -> "Nitro":
         return self

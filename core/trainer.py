@@ -35,6 +35,7 @@ from .prefetch import is_addressable
 from .progress import phase_start
 from .routing import KEY_COUNT, KEY_DATA
 from .schedules import StepValues
+from .sources import release_sources
 
 __all__ = ["run_training", "new_run_folder", "READ_EVERY"]
 
@@ -115,6 +116,7 @@ def run_training(nitro) -> None:
                     emit_finish(run, status)
         finally:
             record.status = status
+            release_sources(nitro.data)  # once per run end; a released source reopens when read again
 
 
 class Outcome(enum.Enum):
