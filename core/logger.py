@@ -38,6 +38,7 @@ __all__ = [
     "logger_info",
     "make_loggers",
     "run_params",
+    "scalar_value",
 ]
 
 LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
@@ -217,6 +218,21 @@ class LoggerRelay:
 
 
 # -- public helpers -------------------------------------------------------------------
+
+
+def scalar_value(value) -> float | None:
+    """``value`` as one float when it is a number (Python/NumPy scalars, bools, 0-d or
+    one-element arrays, a JAX scalar); else None (a string, a longer array, None, an odd
+    object). Never raises: loggers use it to decide what is a scalar metric."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - a deleted buffer, an odd object: not a scalar
+        return None
+    if array.size == 1 and array.dtype.kind in "biuf":
+        return float(array.reshape(()))
+    return None
 
 
 def _logger_of(x):

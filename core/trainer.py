@@ -32,6 +32,7 @@ from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import LoggerRelay, make_loggers
 from .prefetch import is_addressable
+from .prefetch.contract import accessors
 from .progress import phase_start
 from .routing import KEY_COUNT, KEY_DATA
 from .schedules import StepValues
@@ -96,7 +97,7 @@ def run_training(nitro) -> None:
     fails, the handle keeps a final status.
     """
     record = nitro.record
-    status = "failed"
+    status = None  # set by the run itself, or from the exception that ended it
     with stop_signals():
         try:
             record.status = "running"
@@ -107,16 +108,27 @@ def run_training(nitro) -> None:
                 try:
                     emit("jaxnitro_run_start", run=run)
                     status = _Run(nitro, run).run()
-                except (KeyboardInterrupt, Terminated) as stop:
-                    status = "terminated" if isinstance(stop, Terminated) else "interrupted"
-                    consume_stop()
+                except BaseException as exc:
+                    status = _status_of(exc)
                     raise
                 finally:
                     record.status = status
                     emit_finish(run, status)
+        except BaseException as exc:
+            status = status or _status_of(exc)  # also a Ctrl-C before the run's own try
+            if isinstance(exc, (KeyboardInterrupt, Terminated)):
+                consume_stop()
+            raise
         finally:
             record.status = status
             release_sources(nitro.data)  # once per run end; a released source reopens when read again
+
+
+def _status_of(exc: BaseException) -> str:
+    """The status of a run that ``exc`` ended."""
+    if isinstance(exc, Terminated):
+        return "terminated"
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
 
 
 class Outcome(enum.Enum):
@@ -152,8 +164,8 @@ class _Run:
         self.step_prog = progs.train_step(nitro.plan.opt_spec, nitro.plan.tx, o_def)
         self.scale = jax.device_put(np.float32(1.0 / self.accum))
         transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
-        if not is_addressable(unwrap(train)):
-            transfer = _width_checked(transfer, nitro.plan.width)  # setup could not see its last batch
+        if not isinstance(unwrap(train), (list, tuple)):  # setup read every batch of a list only
+            transfer = _width_checked(transfer, nitro.plan.width)
         if any(nitro.plan.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.plan.routes):
             transfer = _keyed(transfer, nitro.state.rng, itertools.count(nitro.step * self.accum))
         self.transfer = transfer
@@ -161,6 +173,7 @@ class _Run:
         self.pending: list = []
         self.first_unread = nitro.step + 1  # the step number of pending[0]
         self.epoch_ends: list[tuple[int, int]] = []  # (epoch, its last step), rows not yet appended
+        self.epoch_first_step: dict[int, int] = {}  # epoch -> its first step (to re-read a batch)
         self.losses: list[float] = []  # read losses of the oldest epoch without a row
 
     # -- the loop ------------------------------------------------------------------------
@@ -215,6 +228,7 @@ class _Run:
         step_fn, scale, dev = self.step_prog.jitted, self.scale, nitro.device_values
         params, mstate, opt_state = nitro.state.leaves()
         acc, micro, step = None, 0, nitro.step
+        self.epoch_first_step[epoch] = step + 1
         wait, outcome = 0.0, Outcome.COMPLETE
         t_epoch = t0 = time.perf_counter()
         stream = self.train.epoch(epoch, self.transfer)
@@ -334,16 +348,45 @@ class _Run:
         record = self.nitro.record
         step, epoch = record.diverged_at
         record.stop_reason = f"non-finite loss at step {step}"
+        bad_input = self._nonfinite_input(step, epoch)
+        if bad_input is not None:
+            record.stop_reason += f" ({bad_input})"
+            advice = f"The data is the cause: {bad_input}. Fix the data (drop or impute those rows)."
+        else:
+            advice = "Lower the learning rate, add gradient_clip_norm, or check the loss for log(0) / overflow."
         warnings.warn(
             f"jaxnitro: the loss became non-finite at step {step} (epoch {epoch}); the run stopped "
-            f"with status 'diverged'. Lower the learning rate, add gradient_clip_norm, or check the "
-            f"loss for log(0) / overflow.",
+            f"with status 'diverged'. {advice}",
             RuntimeWarning,
             stacklevel=5,
         )
         train_loss = float(np.mean(self.losses)) if self.losses else float("nan")
         record.rows.append({"epoch": epoch, "step": step, "train_loss": train_loss})
         return "diverged"
+
+    def _nonfinite_input(self, step: int, epoch: int) -> str | None:
+        """After a divergence: which routed float field of step ``step``'s micro-batches holds
+        NaN/inf, when the train source can be read again by index (else None). Runs only after
+        a divergence, so it costs normal training nothing."""
+        source = unwrap(self.train)
+        first = self.epoch_first_step.get(epoch)
+        if first is None or not is_addressable(source):
+            return None
+        batch_at, begin_epoch = accessors(source)
+        begin_epoch(epoch)
+        hooks = ("forward", "loss", "train_metrics")
+        fields = {f for h in hooks if h in self.nitro.plan.routes for f in self.nitro.plan.routes[h].fields}
+        for index in range((step - first) * self.accum, (step - first + 1) * self.accum):
+            batch = batch_at(index)
+            for name in sorted(fields & set(batch)):
+                value = np.asarray(batch[name])
+                if value.dtype.kind == "f" and not np.isfinite(value).all():
+                    bad = int(value.size - np.isfinite(value).sum())
+                    return (
+                        f"batch {index} of epoch {epoch} of the `train` split has {bad} non-finite "
+                        f"value(s) in field `{name}`"
+                    )
+        return None
 
     def validate(self, epoch: int) -> None:
         """Validate the epoch, emit the split's metrics and merge them into the epoch's row."""
@@ -375,17 +418,29 @@ def _keyed(transfer, key_data, counter):
 
 
 def _width_checked(transfer, width: int):
-    """Wrap ``transfer`` to refuse a train batch whose width differs (a partial final batch)."""
+    """Wrap ``transfer`` to refuse a train batch of another width (a short batch anywhere, a
+    partial final one, an empty one) or one that is not a dict of arrays.
+
+    Setup reads every batch of a list; other sources are checked here, as each batch is
+    staged: a length per field in the common case (well under a microsecond), the full
+    check (:func:`jaxnitro.batches.batch_width`, naming the problem) only when one differs.
+    """
 
     def checked(batch):
-        n = batch_width(batch, "train batch")
-        if n != width:
-            raise ValueError(
-                f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have {width}. "
-                f"The train split must drop its partial final batch (a partial batch would compile a "
-                f"second train step and weight its rows differently). Fix: build the loader with "
-                f"drop_last=True, or give the source batch_at/begin_epoch so setup can check it."
-            )
+        try:
+            same = all(len(v) == width for v in batch.values())
+        except TypeError:  # a field without len(), or not a dict at all
+            same = False
+        if not same:
+            n = batch_width(batch, "train batch")
+            if n != width:
+                raise ValueError(
+                    f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have "
+                    f"{width}. Every train batch must have that width: the train split must drop its "
+                    f"partial final batch, and have no short batch anywhere (it would compile a "
+                    f"second train step and weight its rows differently). Fix: build the loader "
+                    f"with drop_last=True and equal batch sizes."
+                )
         return transfer(batch)
 
     return checked

@@ -243,3 +243,14 @@ def test_a_diverged_run_has_one_row_per_epoch(tmp_path):
     for validated, nan_batch, status, epochs, last_step, diverged_at in json.loads(done.stdout):
         assert status == "diverged" and epochs == [1], (validated, nan_batch, epochs)
         assert last_step == nan_batch + 1 and diverged_at == [nan_batch + 1, 1]
+
+
+def test_a_divergence_from_nan_inputs_names_the_batch_and_field(tmp_path):
+    x, y, onehot = make_arrays(96)
+    x = x.copy()
+    x[2 * 20, 3] = np.nan  # batch 20 of epoch 1 (batch size 2): step 21
+    data = {"train": batches(x, y, onehot, 2)}
+    with pytest.warns(RuntimeWarning, match=r"non-finite at step 21 .*The data is the cause: batch 20 of "
+                      r"epoch 1 of the `train` split has 1 non-finite value\(s\) in field `x`"):
+        n = jn.train(Tiny(max_epochs=2), data=data, run_dir=tmp_path, logger=None)
+    assert n.status == "diverged" and "field `x`" in n.stop_reason
