@@ -21,6 +21,7 @@ from .logger import backend, logger_info
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
+from .weights import EMA
 from .progress import progress_note, progress_reporter, with_progress_note
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ _enable_from_env()  # JAXNITRO_COMPILATION_CACHE=<folder>: opt in to JAX's persi
 __all__ = [
     "CacheStats",
     "Device",
+    "EMA",
     "GraphConst",
     "Host",
     "MetricHistory",

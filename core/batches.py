@@ -9,14 +9,47 @@ import numpy as np
 
 from .prefetch import NoPrefetch, PrefetchIterator, is_addressable
 
-__all__ = ["batch_width", "pad_batch", "slice_outputs", "peek", "wrap_split", "check_train_split"]
+__all__ = [
+    "batch_width", "check_batch_first", "check_is_dict", "pad_batch", "slice_outputs", "peek",
+    "wrap_split", "check_train_split",
+]
+
+
+def describe_batch(batch) -> str:
+    """How messages name a batch that is not a dict: ``a tuple of 2``, ``a bare array of shape (16, 8)``."""
+    if isinstance(batch, tuple):
+        return f"a tuple of {len(batch)}"
+    if isinstance(batch, list):
+        return f"a list of {len(batch)}"
+    if hasattr(batch, "shape") and hasattr(batch, "dtype"):
+        return f"a bare array of shape {tuple(np.shape(batch))}"
+    return f"a {type(batch).__name__}"
+
+
+def check_is_dict(batch, split: str = "batch") -> None:
+    """Refuse a batch that is not a dict (``(x, y)`` tuples, a bare array), naming the split and the fix."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"jaxnitro: the {split} is {describe_batch(batch)}, not a dict. A batch is a dict "
+            f"{{field: array}} with the batch dimension first, so that each field reaches the hooks "
+            f"that name it as a keyword-only parameter. Fix: yield dicts, e.g. "
+            f"`{{'x': x, 'label': y}}` instead of `(x, y)` (for a list of tuples: "
+            f"`[{{'x': x, 'label': y}} for x, y in batches]`)."
+        )
+
+
+def field_specs(batch: Mapping) -> dict:
+    """``{field: (trailing shape, dtype)}`` of a batch's array fields."""
+    return {f: (np.shape(v)[1:], np.asarray(v).dtype) for f, v in batch.items() if np.ndim(v) > 0}
 
 
 def batch_width(batch: Mapping, split: str = "batch") -> int:
     """The leading dimension shared by every array field of ``batch``.
 
-    Raises ``ValueError`` naming the fields when leading dims disagree.
+    Raises ``TypeError`` when ``batch`` is not a dict, ``ValueError`` naming the fields
+    when leading dims disagree or are 0 (a batch with no rows).
     """
+    check_is_dict(batch, split)
     dims = {k: np.shape(v)[0] for k, v in batch.items() if np.ndim(v) > 0}
     if not dims:
         raise ValueError(
@@ -29,7 +62,14 @@ def batch_width(batch: Mapping, split: str = "batch") -> int:
             f"jaxnitro: the {split}'s fields disagree on the batch size (first dimension): {dims}. "
             f"Every field of a batch must have the batch dimension first and the same length."
         )
-    return values.pop()
+    width = values.pop()
+    if width == 0:
+        raise ValueError(
+            f"jaxnitro: the {split} has no rows (fields {sorted(dims)} have length 0). An empty "
+            f"batch would compile a program for width 0 and give a NaN loss, reported as a "
+            f"divergence. Fix: drop empty batches from the source."
+        )
+    return width
 
 
 def pad_batch(batch: Mapping, width: int) -> dict:
@@ -44,13 +84,35 @@ def pad_batch(batch: Mapping, width: int) -> dict:
     return out
 
 
+def check_batch_first(outputs, width: int, n: int | None = None) -> None:
+    """Refuse an output leaf whose first dimension is not the padded ``width``.
+
+    Evaluation and prediction pad a partial batch to the compiled width and slice the
+    outputs back to the real rows; a leaf that is not batch-first (a scalar, a
+    ``(classes, batch)`` array) cannot be sliced, so padding rows would reach
+    ``metrics``. Refused whatever the batch, so that it fails on the first one.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
+        shape = tuple(np.shape(leaf))
+        if not shape or shape[0] != width:
+            where = f"outputs{jax.tree_util.keystr(path)}" if path else "the output"
+            rows = f" ({n} real rows padded to {width})" if n is not None and n != width else ""
+            raise ValueError(
+                f"jaxnitro: `forward` returned {where} with shape {shape}, but the batch has "
+                f"{width} rows{rows}. Outputs must be batch-first (first dimension = the batch's "
+                f"rows), so that evaluation and prediction can slice away the padding rows of a "
+                f"partial batch before `metrics` sees them. Fix: return per-example arrays with "
+                f"the batch dimension first (transpose it, e.g. `out.T`), and compute batch-wide "
+                f"values in `metrics` or `loss` instead."
+            )
+
+
 def slice_outputs(outputs, n: int, width: int):
-    """Slice every output leaf whose leading dimension is ``width`` back to ``n`` rows."""
+    """Slice every output leaf back to ``n`` rows; each must be batch-first (``width`` rows)."""
+    check_batch_first(outputs, width, n)
     if n == width:
         return outputs
-    return jax.tree_util.tree_map(
-        lambda x: x[:n] if np.ndim(x) and np.shape(x)[0] == width else x, outputs
-    )
+    return jax.tree_util.tree_map(lambda x: x[:n], outputs)
 
 
 def unwrap(source):
@@ -68,11 +130,20 @@ def peek(source, epoch: int = 1):
     if len(src) == 0:
         return None
     if isinstance(src, (list, tuple)):
-        return src[0]
-    if is_addressable(src):
+        first = src[0]
+    elif is_addressable(src):
         src.begin_epoch(epoch)
-        return src.batch_at(0)
-    return next(iter(src))
+        first = src.batch_at(0)
+    else:
+        first = next(iter(src))
+    check_is_dict(first, f"first batch of {split_name(source)}")
+    return first
+
+
+def split_name(source) -> str:
+    """How messages name a wrapped split: ``the `train` split`` (``a split`` when unnamed)."""
+    name = getattr(source, "split", None)
+    return f"the `{name}` split" if name else "a split"
 
 
 def last_batch(source, epoch: int = 1):
@@ -89,14 +160,14 @@ def last_batch(source, epoch: int = 1):
 def wrap_split(source, split: str):
     """Wrap a split in a PrefetchIterator unless it already is one (or NoPrefetch)."""
     if isinstance(source, (PrefetchIterator, NoPrefetch)):
-        return source
+        return _named(source, split)
     from .plugin_manager import first_result
 
     adapted = first_result("jaxnitro_adapt_source", source=source, split=split)
     if adapted is not None:  # a plugin knows this loader type (grain, torch, ...)
         source = adapted
         if isinstance(source, (PrefetchIterator, NoPrefetch)):
-            return source
+            return _named(source, split)
     if isinstance(source, Mapping):
         raise TypeError(
             f"jaxnitro: split `{split}` is a single dict; a split is a source of batches (an "
@@ -109,7 +180,14 @@ def wrap_split(source, split: str):
             f"jaxnitro: split `{split}` ({type(source).__name__}) has no len(); a source is an "
             f"iterable of batch dicts with len() (or a list of batches)."
         ) from None
-    return PrefetchIterator(source)
+    return _named(PrefetchIterator(source), split)
+
+
+def _named(wrapper, split: str):
+    """Give ``wrapper`` its split's name (for messages) unless it has one already."""
+    if getattr(wrapper, "split", None) is None:
+        wrapper.split = split
+    return wrapper
 
 
 def check_train_split(train, accum: int) -> int:
@@ -131,6 +209,18 @@ def check_train_split(train, accum: int) -> int:
     if first is None:
         raise ValueError("jaxnitro: the `train` split yielded no batch.")
     width = batch_width(first, "`train` split's first batch")
+    train.first_batch_spec = field_specs(first)  # what predict compares its inputs with
+    src = unwrap(train)
+    if isinstance(src, (list, tuple)):  # batches in memory: every width is cheap to read
+        for i, batch in enumerate(src[1:-1], start=1):
+            w = batch_width(batch, f"`train` split's batch {i}")
+            if w != width:
+                raise ValueError(
+                    f"jaxnitro: the `train` split's batch {i} (of {n}) has {w} rows; its first batch "
+                    f"has {width}. Every train batch must have the same width: another width "
+                    f"compiles a second train step and weights its rows differently. Fix: make all "
+                    f"train batches {width} rows (drop or merge the short ones)."
+                )
     last = last_batch(train)
     if last is not None:
         last_w = batch_width(last, "`train` split's last batch")

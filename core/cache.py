@@ -1,7 +1,7 @@
 """The module-level compile cache, shared by every handle in the process.
 
-Programs are ``jax.jit`` functions keyed by what changes the graph (hook
-code, GraphConst values, model structure, routing; for the train step also the
+Programs are ``jax.jit`` functions keyed by what changes the graph (the
+experiment class's content, hook code, GraphConst values, model structure, routing; for the train step also the
 optimizer rules and groups and whether gradients are clipped; see
 :mod:`jaxnitro.programs`). Device values, seeds, run folders, epoch budgets,
 schedules, ``1/accum``, the clip threshold, loggers and early stopping never
@@ -24,6 +24,8 @@ import functools
 import inspect
 import os
 import threading
+import types
+import weakref
 from typing import Callable, NamedTuple
 
 import jax
@@ -79,18 +81,29 @@ class Program:
         self.jitted = jax.jit(traced, donate_argnums=donate_argnums)
 
 
+_keying = threading.local()  # ids of the objects whose key is being computed (cycles)
+
+
 def stable_key(obj):
     """A hashable key for ``obj`` that is equal for equivalent objects across handles.
 
     * arrays (a non-trainable array inside a model) are keyed by shape, dtype
       and a hash of their bytes: they are baked into the program as constants;
     * plain functions (a ``lambda`` returned from ``optimizer()``, say) by their
-      code, defaults and closure values, so a new but identical lambda does not
-      recompile; ``functools.partial`` by its function and arguments;
+      code, defaults, closure values and the values of the module globals their
+      code names, so a new but identical lambda does not recompile, and a changed
+      global constant does; ``functools.partial`` by its function and arguments;
+    * an experiment class by its content (:func:`class_key`): its name, the code
+      and values of its members and its bases', and its fields, so the same class
+      defined again (a notebook cell re-run) finds its programs in the cache;
     * other hashable objects by themselves; anything else by identity (a new
       object then means a new program, never a wrong one).
     """
-    if hasattr(obj, "shape") and hasattr(obj, "dtype") and not isinstance(obj, type):
+    if isinstance(obj, type):
+        if hasattr(obj, "__jaxnitro_fields__"):
+            return class_key(obj)
+        return obj
+    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
         import hashlib
 
         import numpy as np
@@ -101,14 +114,125 @@ def stable_key(obj):
         return ("partial", stable_key(obj.func), tuple(stable_key(a) for a in obj.args),
                 tuple(sorted((k, stable_key(v)) for k, v in obj.keywords.items())))
     if inspect.isfunction(obj):
-        cells = tuple(stable_key(c.cell_contents) for c in (obj.__closure__ or ()))
-        defaults = tuple(stable_key(d) for d in (obj.__defaults__ or ()))
-        return ("function", obj.__module__, obj.__qualname__, obj.__code__, defaults, cells)
+        return _guarded(obj, _function_key)
     try:
         hash(obj)
         return obj
     except TypeError:
         return ("unhashable", id(obj))
+
+
+def _guarded(obj, make):
+    """``make(obj)``, or a reference to ``obj`` by name when its key is already being made
+    (a method whose ``__class__`` cell is its class, a recursive function)."""
+    active = _keying.__dict__.setdefault("active", set())
+    if id(obj) in active:
+        return ("cycle", getattr(obj, "__module__", None), getattr(obj, "__qualname__", None))
+    active.add(id(obj))
+    try:
+        return make(obj)
+    finally:
+        active.discard(id(obj))
+
+
+def _function_key(fn) -> tuple:
+    cells = tuple(stable_key(c.cell_contents) for c in (fn.__closure__ or ()) if _filled(c))
+    defaults = tuple(stable_key(d) for d in (fn.__defaults__ or ()))
+    kwdefaults = tuple(sorted((k, stable_key(v)) for k, v in (fn.__kwdefaults__ or {}).items()))
+    return ("function", fn.__module__, fn.__qualname__, fn.__code__, defaults, kwdefaults, cells,
+            _globals_key(fn))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:  # an empty cell
+        return False
+
+
+def _names(code) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names(const)
+    return names
+
+
+def _globals_key(fn) -> tuple:
+    """The values of the module globals ``fn``'s code names: a function of the same module by
+    its content, a module by its name, anything else by :func:`stable_key`."""
+    g = fn.__globals__
+    out = []
+    for name in sorted(_names(fn.__code__)):
+        if name not in g:
+            continue
+        value = g[name]
+        if inspect.ismodule(value):
+            key = ("module", value.__name__)
+        elif inspect.isfunction(value) and value.__globals__ is not g:
+            key = value  # another module's function: by identity (library code is not redefined)
+        else:
+            key = stable_key(value)
+        out.append((name, key))
+    return tuple(out)
+
+
+def _member_key(value):
+    if isinstance(value, (staticmethod, classmethod)):
+        return (type(value).__name__, stable_key(value.__func__))
+    if isinstance(value, property):
+        return ("property", stable_key(value.fget), stable_key(value.fset), stable_key(value.fdel))
+    return stable_key(value)
+
+
+_class_keys: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+
+
+def class_key(cls) -> tuple:
+    """The content of experiment class ``cls``: for it and each base (``object`` aside), its
+    module, name and members (methods by code, other attributes by :func:`stable_key`; attrs'
+    dunders and slots left out), and its fields (name, marker, type). Two classes made from the
+    same source, with the same bases, have equal keys.
+
+    Computed once per class object, when its first program is requested: a class whose
+    methods are monkeypatched afterwards keeps its key, so a handle built before keeps finding
+    the programs it was built with (the hooks compiled into a program are keyed separately).
+    """
+    key = _class_keys.get(cls)
+    if key is None:
+        key = _guarded(cls, _class_key)
+        if not isinstance(key, tuple) or key[0] != "cycle":
+            _class_keys[cls] = key
+    return key
+
+
+def _class_key(cls) -> tuple:
+    parts = []
+    for klass in cls.__mro__[:-1]:
+        members = []
+        for name, value in vars(klass).items():
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            if isinstance(value, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+                continue
+            members.append((name, _member_key(value)))
+        kept = vars(klass).get("__jaxnitro_knob_methods__", {})
+        members += [(f"knob method {n}", _member_key(v)) for n, v in kept.items()]
+        parts.append((klass.__module__, klass.__qualname__, tuple(sorted(members, key=lambda m: m[0]))))
+    fields = tuple(
+        (name, repr(info.marker), repr(info.inner_type)) for name, info in cls.__jaxnitro_fields__.items()
+    )
+    return ("experiment class", tuple(parts), fields)
+
+
+def _canonical(key):
+    """``key`` with experiment classes and functions replaced by their :func:`stable_key`."""
+    if isinstance(key, tuple):
+        return tuple(_canonical(k) for k in key)
+    if inspect.isfunction(key) or (isinstance(key, type) and hasattr(key, "__jaxnitro_fields__")):
+        return stable_key(key)
+    return key
 
 
 def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate_argnums=()) -> Program:
@@ -119,10 +243,12 @@ def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate
 
     A request served by an existing program counts one hit. Building only
     wraps the function; the compile (the miss) happens at the first call with
-    a new argument signature.
+    a new argument signature. Experiment classes and functions in ``key`` are
+    compared by content (:func:`stable_key`), so an unchanged class defined
+    again reuses its programs.
     """
     global _hits
-    full = (kind, key)
+    full = (kind, _canonical(key))
     with _lock:
         program = _programs.get(full)
         if program is not None:
@@ -151,6 +277,7 @@ def clear_cache() -> None:
     global _hits, _misses
     with _lock:
         _programs.clear()
+        _class_keys.clear()
         _hits = 0
         _misses = 0
 

@@ -36,3 +36,6 @@ class Defaults:
 
     def optimizer(self, group):
         return optax.radam
+
+    def decay_anchor(self, group):
+        return "zero"

@@ -11,7 +11,7 @@ import difflib
 import jax
 import numpy as np
 
-from .experiment import fields_of
+from .experiment import ConversionRefused, convert_exactly, fields_of
 
 __all__ = ["set_device_values", "get_device_value"]
 
@@ -47,14 +47,9 @@ def set_device_values(nitro, values: dict) -> None:
             _refuse(name, "it is scheduled; the schedule rewrites it every step.")
         current = nitro.device_values[name]
         try:
-            arr = np.asarray(value)
-            if arr.dtype == object:
-                raise TypeError("object")
-            if np.issubdtype(current.dtype, np.integer) and not np.issubdtype(arr.dtype, np.integer):
-                raise TypeError(f"{arr.dtype} is not an integer type")
-            new = arr.astype(current.dtype)
-        except (TypeError, ValueError) as err:
-            raise TypeError(
+            new = convert_exactly(value, current.dtype)
+        except ConversionRefused as err:
+            raise (ValueError if err.out_of_range else TypeError)(
                 f"jaxnitro: set_device cannot write `{name}`: the value {value!r} does not convert to "
                 f"the field's dtype {current.dtype} ({err}). Pass a value of that dtype; for a "
                 f"different dtype build a new `Nitro`."

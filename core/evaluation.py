@@ -8,14 +8,20 @@ padding.
 
 from __future__ import annotations
 
+import types
+import warnings
+import weakref
+
 import jax
 import numpy as np
 
-from .batches import batch_width, pad_batch, slice_outputs
+from .batches import batch_width, field_specs, last_batch, pad_batch, peek, slice_outputs, unwrap
+from .history import FIXED_COLUMNS
 from .metrics import MetricAccumulator
-from .routing import KEY, KEY_COUNT, KEY_DATA
+from .prefetch import is_addressable
+from .routing import KEY, KEY_COUNT, KEY_DATA, check_reserved_fields
 
-__all__ = ["evaluate_split", "predict_batch", "make_transfer"]
+__all__ = ["evaluate_split", "predict_batch", "make_transfer", "check_eval_splits", "check_metric_names"]
 
 def _device_fields(nitro, hooks) -> tuple[str, ...]:
     fields: list[str] = []
@@ -106,10 +112,10 @@ def evaluate_split(nitro, split: str) -> dict:
         if first:
             for h in ("forward", "metrics" if metrics_fn is not None else "loss"):
                 if h in nitro.plan.routes:
-                    nitro.plan.routes[h].check(host_batch.keys())
+                    nitro.plan.routes[h].check(host_batch.keys(), f"the `{split}` split's first batch")
             first = False
         # the forward program sees exactly forward's fields, as in predict: one program for both
-        outputs = forward.jitted(nitro.params, nitro.model_state, dev, {f: inputs[f] for f in forward_fields})
+        outputs = forward.jitted(nitro.state.eval_params, nitro.model_state, dev, {f: inputs[f] for f in forward_fields})
         if device_metrics:
             fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()} if n < w else inputs
             res = jax.device_get(metrics_prog.jitted(dev, slice_outputs(outputs, n, w), fields))
@@ -125,22 +131,237 @@ def evaluate_split(nitro, split: str) -> dict:
                 loss_batch = {**host_batch, KEY: jax.random.fold_in(nitro.state.rng, 0)}
             value = nitro.plan.hooks["loss"].function(progs.view(dev), host_out, **nitro.plan.routes["loss"].select(loss_batch))
             acc.add({"loss": (np.asarray(value), 1)})
-    final = nitro.plan.hooks["finalize_metrics"].function(e, acc.result(), split)
+    if first:
+        warnings.warn(
+            f"jaxnitro: the `{split}` split yielded no batches, so it has no metrics (the result is "
+            f"what finalize_metrics makes of an empty dict). Give the split at least one batch.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return _finalized(nitro.plan, e, acc.result(), split)
+
+
+def _finalized(plan, e, reduced: dict, split: str) -> dict:
+    final = plan.hooks["finalize_metrics"].function(e, reduced, split)
     if not isinstance(final, dict):
         raise TypeError(
             f"jaxnitro: `finalize_metrics` returned {type(final).__name__}; it must return a dict "
             f"of metrics (it replaces the reduced metrics for the logger, history and early stopping)."
         )
+    check_metric_names(final, split)
     return final
 
 
+def check_metric_names(metrics: dict, split: str) -> None:
+    """Refuse a metric named like a fixed history column (``epoch``, ``step``, ``train_loss``):
+    merged into the epoch's row, it would overwrite that column."""
+    clash = [k for k in metrics if k in FIXED_COLUMNS]
+    if clash:
+        raise ValueError(
+            f"jaxnitro: the `{split}` split's metrics include {clash}, named like the history's "
+            f"fixed columns {list(FIXED_COLUMNS)}; merged into the epoch's row they would overwrite "
+            f"them. Rename the metric in `metrics` / `finalize_metrics` (e.g. `{clash[0]}_metric`)."
+        )
+
+
 def predict_batch(nitro, batch):
-    """Forward one batch dict in inference mode; return host outputs sliced to the real rows."""
+    """Forward one batch dict in inference mode; return host outputs sliced to the real rows.
+
+    Each field must have the trailing shape and the dtype of the data's batches (or, for a
+    handle without data, of the first predicted batch): see :func:`check_predict_fields`."""
     route = nitro.plan.routes["forward"]
     route.check(batch.keys())
     host = {f: np.asarray(batch[f]) for f in route.fields if f in batch}  # only what forward takes
+    check_predict_fields(nitro, host)
     n, w, inputs = _staged_for_forward(nitro, host, ("forward",), "the prediction batch")
     outputs = nitro.plan.programs.forward().jitted(
-        nitro.params, nitro.model_state, nitro.device_values, jax.device_put(inputs)
+        nitro.state.eval_params, nitro.model_state, nitro.device_values, jax.device_put(inputs)
     )
     return slice_outputs(jax.device_get(outputs), n, w)
+
+
+# -- predict: the fields' shapes and dtypes ----------------------------------------------------
+
+_field_specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _reference_specs(nitro) -> tuple[dict, str] | None:
+    """``({field: (trailing shape, dtype)}, where)`` from the handle's data: the train split's
+    first batch, else the first split that can be read cheaply. None without data."""
+    cached = _field_specs.get(nitro)
+    if cached is not None:
+        return cached
+    order = (["train"] if "train" in nitro.data else []) + [s for s in nitro.data if s != "train"]
+    for split in order:
+        src = nitro.data[split]
+        specs = getattr(src, "first_batch_spec", None)  # recorded by setup's train-split check
+        if specs is None and len(src) and is_addressable(unwrap(src)):  # never start a loader here
+            first = peek(src)
+            specs = field_specs(first) if first is not None else None
+        if specs is not None:
+            _field_specs[nitro] = (specs, f"the `{split}` split's batches")
+            return _field_specs[nitro]
+    return None
+
+
+def check_predict_fields(nitro, host: dict) -> None:
+    """Refuse a prediction field whose trailing shape or dtype differs from the data's batches.
+
+    A different trailing shape would fail deep inside JAX; a 1-D row for a 2-D field would
+    be read as several rows; a new dtype would silently compile the forward again. A handle
+    without data records the first predicted batch as the reference.
+    """
+    ref = _reference_specs(nitro)
+    if ref is None:
+        _field_specs[nitro] = (field_specs(host), "the first predicted batch")
+        return
+    specs, where = ref
+    for f, v in host.items():
+        if f not in specs:
+            continue
+        shape, dtype = specs[f]
+        expected = "(batch" + "".join(f", {d}" for d in shape) + ("" if shape else ",") + ")"
+        if np.ndim(v) == len(shape) and np.shape(v) == shape and len(shape) >= 1:
+            raise ValueError(
+                f"jaxnitro: prediction field `{f}` has shape {np.shape(v)}: one example without the "
+                f"batch dimension ({where} have `{f}` of shape {expected}). It would be read as "
+                f"{np.shape(v)[0]} rows. Fix: add the batch dimension, `{f}[None]` (or "
+                f"`np.expand_dims({f}, 0)`)."
+            )
+        if np.ndim(v) == 0 or np.shape(v)[1:] != shape:
+            raise ValueError(
+                f"jaxnitro: prediction field `{f}` has shape {np.shape(v)}, but {where} have `{f}` of "
+                f"shape {expected}. Pass arrays with the batch dimension first and the same trailing "
+                f"shape as the data."
+            )
+        if v.dtype != dtype:
+            raise TypeError(
+                f"jaxnitro: prediction field `{f}` has dtype {v.dtype}, but {where} have {dtype}; a "
+                f"new dtype would compile the forward program again. Fix: cast it, "
+                f"`{f}.astype(np.{dtype})`."
+            )
+
+
+# -- setup: the evaluation splits, checked with one batch ------------------------------------------
+
+
+def check_eval_splits(e, plan, state, device_values: dict, data: dict, monitor) -> None:
+    """At setup: check every evaluation split cheaply, and the `val` split with one batch.
+
+    * an empty split warns (it would give no metrics); an empty `val` split with a
+      ``monitor`` is refused (the monitored metric could never be computed);
+    * for a `val` split that can be read cheaply (a list of batches or an index-addressable
+      source): its first batch has the fields `forward` and `metrics` (or `loss`) need, no
+      reserved `key` column, and no batch is wider than the train batch;
+    * on a training handle with a ``monitor`` (a `train` and a `val` split: validation runs
+      after the first epoch and the monitored metric must be there): `forward`, `metrics`
+      (or the default loss metric) and `finalize_metrics` are called once on that batch,
+      eagerly (no program is compiled, the cache is untouched), and the result is checked:
+      batch-first outputs, no metric named like a fixed history column, the monitored metric
+      present and a scalar. Those hooks are thus called once more than the run calls them.
+    """
+    for split, src in data.items():
+        if split != "train" and len(src) == 0:
+            if split == "val" and monitor is not None:
+                raise ValueError(
+                    f"jaxnitro: the `val` split has no batches, so `monitor`'s metric "
+                    f"{monitor[0]!r} can never be computed. Give the `val` split at least one batch, "
+                    f"or drop the `monitor` hook."
+                )
+            warnings.warn(
+                f"jaxnitro: the `{split}` split has no batches (len() is 0), so evaluating it gives no "
+                f"metrics{' and training validates nothing' if split == 'val' else ''}. Give it at "
+                f"least one batch, or leave it out of the data.",
+                UserWarning,
+                stacklevel=4,
+            )
+    src = data.get("val")
+    if src is None or len(src) == 0 or not is_addressable(unwrap(src)):
+        return
+    where = "the `val` split's first batch"
+    first = peek(src, epoch=0)
+    n = batch_width(first, "`val` split's first batch")
+    fields = first.keys()
+    metrics_hook = "metrics" if "metrics" in plan.hooks else "loss"
+    for h in ("forward", metrics_hook):
+        if h in plan.routes:
+            plan.routes[h].check(fields, where)
+    check_reserved_fields(fields, {h: r for h, r in plan.routes.items() if h in ("forward", metrics_hook)}, where)
+    if plan.width is not None:
+        _check_val_widths(src, n, plan.width)
+    if monitor is not None and "train" in data and plan.width is not None:
+        _run_first_val_batch(e, plan, state, device_values, first, monitor)
+
+
+def _check_val_widths(src, first_width: int, width: int) -> None:
+    raw = unwrap(src)
+    widths = [(0, first_width)]
+    if isinstance(raw, (list, tuple)):
+        widths += [(i, batch_width(b, f"`val` split's batch {i}")) for i, b in enumerate(raw[1:], start=1)]
+    else:
+        last = last_batch(src, epoch=0)
+        widths.append((len(raw) - 1, batch_width(last, "`val` split's last batch")))
+    for i, w in widths:
+        if w > width:
+            raise ValueError(
+                f"jaxnitro: the `val` split's batch {i} has {w} rows, wider than the train batch "
+                f"({width} rows). Evaluation runs the forward program compiled for the train batch "
+                f"width (narrower batches are padded). Fix: batch the `val` split with at most "
+                f"{width} rows per batch."
+            )
+
+
+def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monitor) -> None:
+    """Run `forward` and the metrics on ``first`` without compiling; check what comes out."""
+    from .programs import with_key
+
+    nitro = types.SimpleNamespace(plan=plan, state=state, experiment=e, device_values=device_values)
+    progs = plan.programs
+    on_device = plan.metrics_on_device
+    hooks = ("forward", "metrics") if on_device else ("forward",)
+    n, w, inputs = _staged_for_forward(nitro, first, hooks, "the `val` split's first batch")
+    view = progs.view(device_values)
+    forward_fields = set(plan.routes["forward"].fields) | {KEY_DATA, KEY_COUNT}
+    outputs, _ = progs._forward(
+        view, state.params, state.model_state, with_key({k: v for k, v in inputs.items() if k in forward_fields}),
+        inference=True,
+    )
+    acc = MetricAccumulator()
+    if on_device:
+        outputs = slice_outputs(outputs, n, w)
+        sliced = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()}
+        res = plan.hooks["metrics"].function(view, outputs, **plan.routes["metrics"].select(with_key(sliced)))
+        acc.add(jax.device_get(res))
+    else:
+        host_out = slice_outputs(jax.device_get(outputs), n, w)
+        if "metrics" in plan.hooks:
+            acc.add(plan.hooks["metrics"].function(e, host_out, **plan.routes["metrics"].select(first)))
+        elif "loss" in plan.hooks:
+            batch = first
+            if plan.routes["loss"].wants_key:
+                batch = {**first, KEY: jax.random.fold_in(state.rng, 0)}
+            value = plan.hooks["loss"].function(view, host_out, **plan.routes["loss"].select(batch))
+            acc.add({"loss": (np.asarray(value), 1)})
+    final = _finalized(plan, e, acc.result(), "val")
+    if monitor is None:
+        return
+    name = monitor[0]
+    if name not in final:
+        raise KeyError(
+            f"jaxnitro: `monitor` names {name!r}, but the `val` split's metrics are {sorted(final)} "
+            f"(what finalize_metrics returned for its first batch). Return {name!r} from "
+            f"`metrics`/`finalize_metrics`, or monitor one of those."
+        )
+    check_monitored_value(name, final[name])
+
+
+def check_monitored_value(name: str, value) -> None:
+    """Refuse a monitored metric that is not one number (an array, a string)."""
+    shape = np.shape(value)
+    if shape != () or not np.issubdtype(np.asarray(value).dtype, np.number):
+        raise TypeError(
+            f"jaxnitro: the monitored metric {name!r} is "
+            f"{f'an array of shape {shape}' if shape else repr(value)}; `monitor` compares one "
+            f"number per epoch. Monitor a scalar metric, or reduce this one in `finalize_metrics` "
+            f"(e.g. its mean) and monitor that."
+        )

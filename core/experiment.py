@@ -20,7 +20,7 @@ import numpy as np
 
 import jax
 
-from .markers import Device, GraphConst, Host, Marker, StrippedHost, marker_of
+from .markers import Device, GraphConst, Host, Marker, StrippedHost, check_traced_host_use, marker_of
 
 __all__ = [
     "experiment",
@@ -30,6 +30,11 @@ __all__ = [
     "compile_view",
     "is_experiment",
     "make_view",
+    "method_of",
+    "call_method",
+    "convert_exactly",
+    "ConversionRefused",
+    "check_traced_code",
 ]
 
 field = attrs.field
@@ -140,24 +145,88 @@ def _device_dtype(inner_type, value):
     return arr.dtype
 
 
+class ConversionRefused(Exception):
+    """Why a value does not convert to a Device dtype without loss (``args[0]``, no prefix);
+    ``out_of_range`` when the type is right but the value does not fit."""
+
+    def __init__(self, reason: str, out_of_range: bool = False):
+        super().__init__(reason)
+        self.out_of_range = out_of_range
+
+
+def convert_exactly(value, dtype) -> np.ndarray:
+    """``value`` as an array of ``dtype``, refusing every silent change of meaning.
+
+    Refused (:class:`ConversionRefused` with the reason): ``None``, strings and
+    bytes (never parsed), objects and ragged lists; a float for an integer field
+    (``2.7`` would become ``2``); anything but a bool for a bool field (``0.5``
+    would become ``True``); a bool for a number field; an integer out of the
+    dtype's range (``2**40`` would wrap to ``0``); a finite float that overflows
+    to infinity.
+    """
+    if value is None:
+        raise ConversionRefused("None is not a value (it would become NaN)")
+    if isinstance(value, (str, bytes)):
+        raise ConversionRefused(f"a {type(value).__name__} is refused, never parsed as a number")
+    try:
+        arr = np.asarray(value)
+    except OverflowError:
+        raise ConversionRefused(f"{value!r} does not fit in {np.dtype(dtype)}", out_of_range=True) from None
+    except (TypeError, ValueError) as err:
+        raise ConversionRefused(str(err)) from None
+    kind, target = arr.dtype.kind, np.dtype(dtype)
+    if kind == "O" and isinstance(value, int):
+        raise ConversionRefused(f"{value!r} does not fit in {target}", out_of_range=True)
+    if kind in "OUSVMm":
+        what = "None or a ragged/mixed list" if kind == "O" else f"dtype {arr.dtype}"
+        raise ConversionRefused(f"it is {what}, not a number or a numeric array")
+    if target.kind == "b":
+        if kind != "b":
+            raise ConversionRefused(f"a {arr.dtype} value for a bool field would be read as True/False; give True or False")
+    elif kind == "b":
+        raise ConversionRefused(f"a bool for a {target} field; give a number")
+    elif target.kind in "iu":
+        if kind not in "iu":
+            raise ConversionRefused(f"{arr.dtype} is not an integer type (a float would be truncated); give an integer")
+        info = np.iinfo(target)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise ConversionRefused(
+                f"{value!r} does not fit in {target} ({info.min}..{info.max}); it would wrap around",
+                out_of_range=True,
+            )
+    elif target.kind == "f":
+        if kind not in "iuf":
+            raise ConversionRefused(f"a {arr.dtype} value for a {target} field")
+        with np.errstate(over="ignore"):
+            new = arr.astype(target)
+        if kind == "f" and bool(np.all(np.isfinite(arr))) and not bool(np.all(np.isfinite(new))):
+            raise ConversionRefused(f"{value!r} overflows {target} (it would become inf)", out_of_range=True)
+        return new
+    return arr.astype(target)
+
+
 def to_device_value(cls_name: str, info: FieldInfo, value) -> np.ndarray:
     """Convert a Device field's value to the host array that is placed on the device.
 
-    Raises ``TypeError`` naming the field when the value does not convert.
+    Raises ``TypeError`` naming the field when the value does not convert without
+    loss (:func:`convert_exactly`), ``ValueError`` when it is out of the dtype's range.
     """
     try:
         dtype = _device_dtype(info.inner_type, value)
-        arr = np.asarray(value, dtype=dtype)
-        if arr.dtype == object:
-            raise TypeError("object dtype")
     except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"jaxnitro: Device field `{info.name}` of {cls_name} has a value that does not convert "
-            f"to an array ({type(value).__name__}: {err}). Device fields are passed to compiled "
-            f"programs as arrays; give it a number or a NumPy array, or leave it unmarked (Host) "
-            f"if traced code never reads it."
-        ) from None
-    return arr
+        dtype, refused = None, ConversionRefused(str(err))
+    else:
+        try:
+            return convert_exactly(value, dtype)
+        except ConversionRefused as err:
+            refused = err
+    raise (ValueError if refused.out_of_range else TypeError)(
+        f"jaxnitro: Device field `{info.name}` of {cls_name} has a value that does not convert "
+        f"to an array ({type(value).__name__}: {refused}). Device fields are passed to compiled "
+        f"programs as arrays{f' of dtype {np.dtype(dtype)}' if dtype is not None else ''}; give a "
+        f"number or a NumPy array of that kind, or leave the field unmarked (Host) if traced code "
+        f"never reads it."
+    ) from None
 
 
 def _post_init(self) -> None:
@@ -178,9 +247,12 @@ def experiment(cls=None, /):
     after each field becomes its doc. Methods named like the hooks in
     :class:`jaxnitro.hookspecs.ExperimentSpec` are the experiment's hooks.
 
-    Raises ``TypeError`` at decoration for a ``GraphConst`` field named ``seed``,
-    and at construction for an unhashable GraphConst value or a Device value
-    that does not convert to an array.
+    Raises at decoration (:func:`_check_member_names`): ``TypeError`` for a
+    ``GraphConst`` field named ``seed``, a field named like an experiment hook, a
+    method that attrs would drop because a field has its name;
+    ``NotImplementedError`` for a ``train_step`` method. Raises at construction
+    for an unhashable GraphConst value or a Device value that does not convert
+    to an array without loss.
     """
     if cls is None:
         return experiment
@@ -199,6 +271,7 @@ def experiment(cls=None, /):
             continue
         marker, inner = marker_of(ann)
         infos[name] = FieldInfo(name, marker, docs.get(name, ""), inner)
+    knob_methods = _check_member_names(cls, infos)
     seed = infos.get("seed")
     if seed is not None and seed.is_graph_const:
         raise TypeError(
@@ -217,10 +290,128 @@ def experiment(cls=None, /):
     cls.__attrs_post_init__ = __attrs_post_init__
     new_cls = attrs.define(cls, frozen=True, kw_only=True, eq=False, slots=True)
     new_cls.__jaxnitro_fields__ = infos
+    new_cls.__jaxnitro_knob_methods__ = knob_methods
     new_cls.__repr__ = _experiment_repr
     new_cls._repr_html_ = _experiment_repr_html
     _register_pytree(new_cls, infos)
     return new_cls
+
+
+# -- names: fields, hooks, knob methods ----------------------------------------
+
+RESERVED_HOOKS = ("train_step",)
+"""Hook names reserved for features not available yet (manual training)."""
+
+_RENAMED = {"learning_rate": "lr", "weight_decay": "wd", "monitor": "monitored"}
+
+
+def _is_method(value) -> bool:
+    return inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
+def _declared_in(cls, name: str) -> str:
+    for klass in cls.__mro__:
+        if name in klass.__dict__.get("__annotations__", {}):
+            return klass.__name__
+    return cls.__name__
+
+
+def _hook_signature(hook: str) -> str:
+    from . import hookspecs
+
+    params = [p for p in inspect.signature(getattr(hookspecs, hook)).parameters if p != "batch"]
+    return f"{hook}({', '.join(params)})"
+
+
+def _check_member_names(cls, infos: dict) -> dict:
+    """Refuse names that would be silently ignored; return the class's own knob methods that
+    attrs is about to drop because an inherited field has their name (``{name: method}``).
+
+    * a field named like an experiment hook: hooks are methods (``TypeError``);
+    * a ``train_step`` method: manual training is not available yet (``NotImplementedError``);
+    * a method named like a field: attrs keeps the field and drops the method. For a run
+      knob the method is kept aside (a method > a field, see :func:`method_of`); for any
+      other name it is refused (``TypeError``).
+    """
+    from .hookspecs import EXPERIMENT_HOOKS
+    from .knobs import RUN_KNOBS  # knobs imports this module
+
+    name = cls.__name__
+    for field in infos:
+        if field in EXPERIMENT_HOOKS or field in RESERVED_HOOKS:
+            new = _RENAMED.get(field, f"{field}_value")
+            hook = _hook_signature(field) if field in EXPERIMENT_HOOKS else f"{field}(...)"
+            raise TypeError(
+                f"jaxnitro: field `{field}` of {name} (declared in {_declared_in(cls, field)}) is "
+                f"named like the experiment hook `{field}`. Hooks are methods, so the field would "
+                f"be silently ignored. Rename the field and return it from the hook: "
+                f"`{new}: <type> = ...` and `def {hook}: return self.{new}`."
+            )
+    for klass in cls.__mro__:
+        if "train_step" in klass.__dict__:
+            raise NotImplementedError(
+                f"jaxnitro: {name} defines `train_step` (in {klass.__name__}), the manual-training "
+                f"hook, which is not available in this version yet: the automatic loop would "
+                f"silently ignore it. Remove it and express the step with `forward` and `loss` "
+                f"(`optimizer`, `param_group` and `learning_rate_ratio` for per-group rules)."
+            )
+    own = cls.__dict__.get("__annotations__", {})
+    kept = {}
+    for attr, value in cls.__dict__.items():
+        if attr not in infos or not _is_method(value):
+            continue
+        if attr in own:
+            raise TypeError(
+                f"jaxnitro: {name} declares `{attr}` both as a field and as a method; one name "
+                f"cannot be both. Rename one of them."
+            )
+        if attr in RUN_KNOBS and not isinstance(value, property):
+            kept[attr] = value
+            continue
+        raise TypeError(
+            f"jaxnitro: {name} defines a method `{attr}`, but `{attr}` is a field (declared in "
+            f"{_declared_in(cls, attr)}); an experiment class keeps the field and would silently "
+            f"drop the method. Rename the method, or, to change the field's value in {name}, "
+            f"redeclare the field with a new default (`{attr}: <type> = <value>`)."
+        )
+    return kept
+
+
+def method_of(cls, name: str):
+    """The method named ``name`` on experiment class ``cls`` or a base, or None.
+
+    As the run knobs resolve (a method > a field), a method anywhere in the class
+    hierarchy wins over a field of that name, also when a subclass declares the
+    field, or the field is inherited and a subclass defines the method (attrs drops
+    that method from the class; the decorator keeps it aside). Returns the class
+    attribute: a function, ``staticmethod`` or ``classmethod``.
+    """
+    return _find_method(cls, name)[0]
+
+
+def method_owner(cls, name: str):
+    """The class (``cls`` or a base) defining the method :func:`method_of` finds, or None."""
+    return _find_method(cls, name)[1]
+
+
+def _find_method(cls, name: str) -> tuple:
+    for klass in cls.__mro__:
+        kept = klass.__dict__.get("__jaxnitro_knob_methods__", {})
+        if name in kept:
+            return kept[name], klass
+        value = klass.__dict__.get(name)
+        if inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod)):
+            return value, klass
+    return None, None
+
+
+def call_method(e, method):
+    """Call ``method`` (as :func:`method_of` returns it) on experiment ``e``."""
+    if isinstance(method, staticmethod):
+        return method.__func__()
+    if isinstance(method, classmethod):
+        return method.__func__(type(e))
+    return method(e)
 
 
 # -- views ------------------------------------------------------------------
@@ -317,3 +508,12 @@ def _experiment_repr_html(self) -> str:
     from .describe import describe
 
     return describe(self, "html")
+
+
+def check_traced_code(e, hooks: dict, metrics_on_device: bool) -> None:
+    """At setup: refuse identity tests on Host fields in the traced hooks (and the methods they
+    call), see :func:`jaxnitro.markers.check_traced_host_use`."""
+    traced = ("forward", "loss", "train_metrics") + (("metrics",) if metrics_on_device else ())
+    functions = {h: hooks[h].function for h in traced if h in hooks and hooks[h].source != "default"}
+    host = [n for n, i in fields_of(e).items() if i.is_host]
+    check_traced_host_use(type(e), functions, host)

@@ -116,8 +116,9 @@ class Nitro:
 
     @property
     def model(self):
-        """The trained model as one Equinox module (params combined with the static half)."""
-        return eqx.combine(self.state.params, self.plan.skeleton.static)
+        """The trained model as one Equinox module (params combined with the static half; the
+        EMA weights when ``ema`` is on)."""
+        return eqx.combine(self.state.eval_params, self.plan.skeleton.static)
 
     # -- verbs -------------------------------------------------------------------------
 
@@ -210,6 +211,7 @@ class Nitro:
             title=f"history of {type(self.experiment).__name__}",
             run_dir=self.run_dir,
             total_epochs=self.settings.max_epochs,
+            resumed_from=self.plan.resumed.epoch if self.plan.resumed is not None else None,
         )
 
     def release(self) -> None:

@@ -9,13 +9,15 @@ differently, and ``print(nitro)`` can say where each value came from.
 from __future__ import annotations
 
 import difflib
-import inspect
+import math
+import numbers
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from .experiment import fields_of
+from .experiment import call_method, fields_of, method_of, method_owner
 from .logger import DEFAULT_LOGGER
 
 __all__ = [
@@ -75,24 +77,42 @@ def check_keywords(kwargs: dict) -> None:
 
 
 def accessor_of(e, name: str):
-    """The experiment class's method ``name`` (a plain function), or None."""
-    attr = inspect.getattr_static(type(e), name, None)
-    if isinstance(attr, (staticmethod, classmethod)):
-        return getattr(type(e), name)
-    return attr if inspect.isfunction(attr) else None
+    """The experiment class's method ``name`` (a plain function; bound for a static or class
+    method), or None. A method anywhere in the class hierarchy counts (a method > a field)."""
+    method = method_of(type(e), name)
+    if isinstance(method, (staticmethod, classmethod)):
+        return method.__get__(None, type(e))
+    return method
+
+
+def _warn_method_and_field(e, name: str) -> None:
+    warnings.warn(
+        f"jaxnitro: {type(e).__name__} has both a method `{name}` (in "
+        f"{method_owner(type(e), name).__name__}) and a field "
+        f"`{name}` = {getattr(e, name)!r}; the method wins (a keyword > a method > a field), so "
+        f"the field's value is not used. Rename one of them, or drop the method to use the field.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def resolve_knobs(e, kwargs: dict) -> dict[str, ResolvedKnob]:
-    """Resolve every run knob for experiment ``e`` given the handle's keywords."""
+    """Resolve every run knob for experiment ``e`` given the handle's keywords.
+
+    A keyword > a method of that name (anywhere in the class hierarchy) > a field of
+    that name > the default. A method and a field of one name warn (``UserWarning``).
+    """
     fields = fields_of(e)
     out = {}
     for name, default in KNOB_DEFAULTS.items():
+        method = method_of(type(e), name)
+        if method is not None and name in fields:
+            _warn_method_and_field(e, name)
         if name in kwargs:
             out[name] = ResolvedKnob(name, kwargs[name], "keyword")
             continue
-        method = accessor_of(e, name)
         if method is not None:
-            out[name] = ResolvedKnob(name, getattr(e, name)(), "accessor", method)
+            out[name] = ResolvedKnob(name, call_method(e, method), "accessor", accessor_of(e, name))
         elif name in fields and name != "schedules":
             out[name] = ResolvedKnob(name, getattr(e, name), "field")
         else:
@@ -131,15 +151,79 @@ class Settings:
         return self.knobs[name].source
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
 def check_values(knobs: dict[str, ResolvedKnob]) -> None:
-    """Refuse integer knobs that are not integers in range, naming the knob, its source and the fix."""
+    """Refuse knob values that would be silently converted, naming the knob, its source and the fix.
+
+    * ``accum``, ``max_epochs``, ``log_every_n_steps``: integers in range;
+    * ``seed``: an integer (``1.7`` would become ``1``) in JAX's 64-bit range;
+    * ``gradient_clip_norm``: ``None`` or a finite number >= 0 (NaN or a negative value
+      would switch clipping off);
+    * ``check_divergence``, ``autolog_schedules``: ``True`` or ``False`` (the string
+      ``"False"`` is true).
+    """
+    def refuse(name: str, must: str) -> None:
+        raise ValueError(
+            f"jaxnitro: run knob `{name}` = {knobs[name].value!r} ({knobs[name].source}); {must}"
+        )
+
     for name in ("accum", "max_epochs", "log_every_n_steps"):
         v, low = knobs[name].value, (0 if name == "max_epochs" else 1)
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-            raise ValueError(
-                f"jaxnitro: run knob `{name}` = {v!r} ({knobs[name].source}); it must be "
-                f"an integer >= {low}."
-            )
+        if not _is_int(v) or v < low:
+            refuse(name, f"it must be an integer >= {low}.")
+    seed = knobs["seed"].value
+    if not _is_int(seed) or not -(2**63) <= seed < 2**63:
+        refuse("seed", "it must be an integer in JAX's 64-bit range (e.g. `seed=1`); a float or a "
+                       "string would be truncated or parsed silently.")
+    clip = knobs["gradient_clip_norm"].value
+    if clip is not None and (not _is_real(clip) or not math.isfinite(clip) or clip < 0):
+        refuse("gradient_clip_norm", "it must be a finite number >= 0: the global-norm threshold, "
+                                     "or 0 (or None) for no clipping. NaN or a negative value "
+                                     "would silently switch clipping off.")
+    for name in ("check_divergence", "autolog_schedules"):
+        if not isinstance(knobs[name].value, (bool, np.bool_)):
+            refuse(name, "it must be True or False (a string such as \"False\" is true in Python).")
+
+
+def check_learning_rate(value, source: str) -> float:
+    """The base learning rate as a float; ``ValueError`` unless it is a finite number >= 0.
+
+    ``source`` says where it came from (``"the learning_rate hook of Tiny (experiment)"``).
+    """
+    arr = None if isinstance(value, (str, bytes, bool, np.bool_)) else np.asarray(value)
+    if arr is None or arr.shape != () or arr.dtype.kind not in "iuf":
+        raise TypeError(
+            f"jaxnitro: the base learning rate is {value!r} ({source}); it must be a number, e.g. "
+            f"`def learning_rate(self): return 1e-3`. Return a schedule through "
+            f"`schedules={{'learning_rate': ...}}`, not from `learning_rate`."
+        )
+    rate = float(value)
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError(
+            f"jaxnitro: the base learning rate is {rate!r} ({source}); it must be a finite "
+            f"number >= 0. A negative rate ascends the loss, NaN or inf makes every weight NaN "
+            f"(reported later as a divergence). Return a positive rate such as 1e-3."
+        )
+    return rate
+
+
+def check_optimizer_groups(groups, cls_name: str) -> None:
+    """Refuse a group whose ``learning_rate_ratio`` or ``weight_decay`` is not a finite number >= 0."""
+    for g in groups:
+        for hook, v in (("learning_rate_ratio", g.ratio), ("weight_decay", g.weight_decay)):
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"jaxnitro: `{hook}({g.name!r})` of {cls_name} returned {v!r}; it must be a "
+                    f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
+                    f"as a divergence). Return a number for group `{g.name}`."
+                )
 
 
 def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Settings:

@@ -48,6 +48,19 @@ def check_metric_entry(name: str, entry) -> str:
     )
 
 
+def _check_count(name: str, count) -> np.ndarray:
+    """A batch's count as float64; ``ValueError`` naming the metric for a negative or NaN count."""
+    c = np.asarray(count, dtype=np.float64)
+    if np.any(np.isnan(c)) or np.any(c < 0):
+        raise ValueError(
+            f"jaxnitro: metric `{name}` returned the count {c.tolist()!r} for a batch; a count is "
+            f"the number of examples its value sums over (>= 0, not NaN): a negative count would "
+            f"give a negative mean. Return `(value_sum, n)` with n the rows counted, e.g. "
+            f"`label.shape[0]`."
+        )
+    return c
+
+
 class MetricAccumulator:
     """Accumulates per-batch ``metrics`` results on the host and reduces them once.
 
@@ -77,16 +90,17 @@ class MetricAccumulator:
                     f"jaxnitro: metric `{name}` changed mode from {known!r} to {mode!r} between "
                     f"batches; a metric keeps one mode for the whole split."
                 )
+            count = _check_count(name, entry[1]) if mode == "count" else None
             if name not in self._totals:
                 self._totals[name] = [value] if mode == "concat" else value.astype(
                     np.result_type(value.dtype, np.float64) if mode == "count" else value.dtype
                 )
                 if mode == "count":
-                    self._counts[name] = np.asarray(entry[1], dtype=np.float64)
+                    self._counts[name] = count
                 continue
             if mode == "count":
                 self._totals[name] = self._totals[name] + value
-                self._counts[name] = self._counts[name] + np.asarray(entry[1], dtype=np.float64)
+                self._counts[name] = self._counts[name] + count
             elif mode == "sum":
                 self._totals[name] = self._totals[name] + value
             elif mode == "max":
@@ -101,7 +115,16 @@ class MetricAccumulator:
         for name, mode in self._modes.items():
             total = self._totals[name]
             if mode == "count":
-                value = total / self._counts[name]
+                counts = self._counts[name]
+                if counts.ndim == 0 and counts <= 0:  # per-entry counts may be 0 (a class absent: NaN)
+                    raise ValueError(
+                        f"jaxnitro: metric `{name}` has a total count of {float(counts):g} over the "
+                        f"split; a counted metric is divided by its total count, so the result "
+                        f"would be NaN or inf. The count is the number of examples the value sums "
+                        f"over: return `(value_sum, n)` with n > 0 over the split (e.g. "
+                        f"`label.shape[0]`), or use the 'sum' mode for a plain total."
+                    )
+                value = total / counts
             elif mode == "concat":
                 value = np.concatenate([np.atleast_1d(v) for v in total], axis=0)
             else:

@@ -7,25 +7,72 @@ float32 vector (:class:`HyperLayout` says which slot is which), so a constant,
 a schedule and a changed schedule all run the same compiled program.
 
 Gradient clipping (``optax.clip_by_global_norm`` over the accumulated
-gradient) is built inside the program with its threshold read from the last
-slot of that vector: whether clipping is on is part of the program's key, the
+gradient) is built inside the program with its threshold read from a slot of
+that vector: whether clipping is on is part of the program's key, the
 threshold is not, so a new threshold compiles nothing.
+
+A group whose ``decay_anchor`` is ``"w0"`` decays toward an anchor (L2-SP)
+rather than toward zero: the anchor is a copy of the initial (or transferred)
+weights kept in that group's optimizer state (:class:`AnchorState`).
+
+With ``ema=jn.EMA(decay)`` the optimizer state is ``(rule state, EmaState)``:
+the train-step program updates the moving average after each update, its
+decay read from the hyperparameter vector (a new decay compiles nothing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from .cache import stable_key
 
-__all__ = ["GroupSpec", "OptimizerSpec", "HyperLayout", "keypath_of", "build_optimizer_spec"]
+__all__ = [
+    "GroupSpec", "OptimizerSpec", "HyperLayout", "AnchorState", "EmaState", "keypath_of",
+    "build_optimizer_spec", "init_opt_state", "split_ema", "join_ema", "ema_of", "rule_state_of",
+]
 
 HYPERS = ("learning_rate", "weight_decay")
+ANCHORS = ("zero", "w0")
+
+
+class AnchorState(NamedTuple):
+    """The weights an L2-SP group's decay pulls toward (``decay_anchor`` = ``"w0"``)."""
+
+    anchor: Any
+
+
+class EmaState(NamedTuple):
+    """The exponential moving average of the parameters (``ema=jn.EMA(decay)``)."""
+
+    ema: Any
+
+
+def _copy(tree):
+    # a copy, never an alias: the train step donates the params and the optimizer state
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def decay_toward_anchor(weight_decay) -> optax.GradientTransformation:
+    """``updates + weight_decay * (params - anchor)``; the anchor is the params given to ``init``."""
+
+    def init(params):
+        return AnchorState(_copy(params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("decay toward an anchor needs the params")
+        updates = jax.tree_util.tree_map(
+            lambda u, p, a: u + (weight_decay * (p - a)).astype(u.dtype), updates, params, state.anchor
+        )
+        return updates, state
+
+    return optax.GradientTransformation(init, update)
 
 
 def keypath_of(path) -> tuple:
@@ -54,6 +101,7 @@ class GroupSpec:
     ratio: float
     weight_decay: float
     n_params: int
+    anchor: str = "zero"
 
     @property
     def rule_name(self) -> str:
@@ -62,18 +110,25 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class HyperLayout:
-    """Slots of the per-step hyperparameter vector: ``slots[i] == (group, hyper)``."""
+    """Slots of the per-step hyperparameter vector: ``slots[i] == (group, hyper)``, then the
+    gradient-clipping threshold, then (with EMA on) the EMA decay."""
 
     slots: tuple[tuple[str, str], ...]
+    ema: bool = False
 
     @property
     def clip_index(self) -> int:
-        """The last slot holds the gradient-clipping threshold."""
+        """The slot after the groups' holds the gradient-clipping threshold."""
         return len(self.slots)
 
     @property
-    def size(self) -> int:
+    def ema_index(self) -> int:
+        """The last slot holds the EMA decay (with EMA on)."""
         return len(self.slots) + 1
+
+    @property
+    def size(self) -> int:
+        return len(self.slots) + 1 + int(self.ema)
 
 
 @dataclass(frozen=True)
@@ -84,13 +139,25 @@ class OptimizerSpec:
     labels: object  # pytree of group names, same structure as the trainable params
     clip_norm: float
     layout: HyperLayout
+    ema_decay: float | None = None
 
     def key(self) -> tuple:
         return (
-            tuple((g.name, stable_key(g.rule)) for g in self.groups),
+            tuple((g.name, stable_key(g.rule), g.anchor) for g in self.groups),
             tuple(jax.tree_util.tree_leaves(self.labels)),
             self.clips,
+            self.ema,
         )
+
+    @property
+    def ema(self) -> bool:
+        """Whether the train step keeps a moving average of the params (its decay is an input)."""
+        return self.ema_decay is not None
+
+    @property
+    def anchored(self) -> bool:
+        """Whether a group decays toward its initial weights (L2-SP)."""
+        return any(g.anchor == "w0" for g in self.groups)
 
     @property
     def clips(self) -> bool:
@@ -101,7 +168,7 @@ class OptimizerSpec:
         """The optax transformation: one injected rule per group (clipping is applied before it)."""
         per_group = {}
         for g in self.groups:
-            per_group[g.name] = optax.inject_hyperparams(_decoupled(g.rule))(
+            per_group[g.name] = optax.inject_hyperparams(_decoupled(g.rule, g.anchor))(
                 learning_rate=np.asarray(g.ratio, np.float32),
                 weight_decay=np.asarray(g.weight_decay, np.float32),
             )
@@ -125,18 +192,66 @@ class OptimizerSpec:
         """The hyperparameter vector with no schedule: ``ratio * base_lr``, each group's decay, the clip."""
         out = np.zeros(self.layout.size, np.float32)
         out[self.layout.clip_index] = self.clip_norm
+        if self.ema:
+            out[self.layout.ema_index] = self.ema_decay
         for i, (group, hyper) in enumerate(self.layout.slots):
             g = next(x for x in self.groups if x.name == group)
             out[i] = g.ratio * base_lr if hyper == "learning_rate" else g.weight_decay
         return out
 
 
-def _decoupled(rule: Callable) -> Callable:
+def _decoupled(rule: Callable, anchor: str = "zero") -> Callable:
     def make(learning_rate, weight_decay):
+        if anchor == "w0":
+            return optax.chain(rule(learning_rate), decay_toward_anchor(-learning_rate * weight_decay))
         return optax.chain(rule(learning_rate), optax.add_decayed_weights(-learning_rate * weight_decay))
 
     make.__name__ = getattr(rule, "__name__", "rule")
     return make
+
+
+def init_opt_state(spec: OptimizerSpec, tx, params, anchor=None):
+    """The optimizer state for ``params``: the rules' state, with ``(rules, EmaState)`` when
+    EMA is on (the average starts at ``params``). ``anchor``: the weights ``"w0"`` groups
+    decay toward, when they are not ``params`` (e.g. ``build_model``'s after a warm start)."""
+    state = tx.init(params)
+    if spec.anchored and anchor is not None:
+        is_anchor = lambda x: isinstance(x, AnchorState)  # noqa: E731
+        from_anchor = tx.init(anchor)
+        state = jax.tree_util.tree_map(
+            lambda cur, a: a if is_anchor(cur) else cur, state, from_anchor, is_leaf=is_anchor
+        )
+    if spec.ema:
+        state = (state, EmaState(_copy(params)))
+    return state
+
+
+def split_ema(opt_state, spec: OptimizerSpec):
+    """``(rule state, EmaState or None)``."""
+    return (opt_state[0], opt_state[1]) if spec.ema else (opt_state, None)
+
+
+def join_ema(rule_state, ema, spec: OptimizerSpec):
+    return (rule_state, ema) if spec.ema else rule_state
+
+
+def update_ema(ema: EmaState, params, decay) -> EmaState:
+    """``ema + (1 - decay) * (params - ema)`` (traced, inside the train step)."""
+    return EmaState(
+        jax.tree_util.tree_map(lambda e, p: e + ((1 - decay) * (p - e)).astype(e.dtype), ema.ema, params)
+    )
+
+
+def ema_of(opt_state):
+    """The EMA of the params held in ``opt_state``, or None."""
+    if isinstance(opt_state, tuple) and len(opt_state) == 2 and isinstance(opt_state[1], EmaState):
+        return opt_state[1].ema
+    return None
+
+
+def rule_state_of(opt_state):
+    """The optimizer rules' state (``opt_state`` without the EMA)."""
+    return opt_state[0] if ema_of(opt_state) is not None else opt_state
 
 
 def set_hypers(opt_state, spec: OptimizerSpec, vector):
@@ -164,12 +279,12 @@ def set_hypers(opt_state, spec: OptimizerSpec, vector):
     return inner
 
 
-def build_optimizer_spec(e, hooks, params, clip_norm: float) -> OptimizerSpec:
-    """Resolve groups, rules, ratios and decays from the experiment's hooks.
+def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | None = None) -> OptimizerSpec:
+    """Resolve groups, rules, ratios, decays and decay anchors from the experiment's hooks.
 
     ``hooks`` maps hook names to :class:`~jaxnitro.plugin_manager.ResolvedHook`.
-    Raises ``ValueError`` naming the group when a ratio or decay is negative or
-    a rule is not callable.
+    Raises ``ValueError`` naming the group when a ratio or decay is negative,
+    a rule is not callable or ``decay_anchor`` is not ``"zero"`` / ``"w0"``.
     """
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     group_of = hooks["param_group"].function
@@ -201,6 +316,14 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float) -> OptimizerSpec:
                 f"jaxnitro: group `{name}` has learning_rate_ratio={ratio} and weight_decay={decay}; "
                 f"both must be >= 0."
             )
-        groups.append(GroupSpec(name, rule, ratio, decay, counts[name]))
+        anchor = hooks["decay_anchor"].function(e, name) if "decay_anchor" in hooks else "zero"
+        if not isinstance(anchor, str) or anchor not in ANCHORS:
+            raise ValueError(
+                f"jaxnitro: `decay_anchor` returned {anchor!r} for group `{name}`; it must return "
+                f"'zero' (decay toward zero, the default) or 'w0' (L2-SP: toward the group's initial "
+                f"weights, or the transferred ones with `weights=..., w0='weights'`)."
+            )
+        groups.append(GroupSpec(name, rule, ratio, decay, counts[name], anchor))
         slots += [(name, h) for h in HYPERS]
-    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), HyperLayout(tuple(slots)))
+    layout = HyperLayout(tuple(slots), ema=ema_decay is not None)
+    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), layout, ema_decay)

@@ -35,7 +35,7 @@ from .cache import Program, get_program, stable_key
 from .experiment import make_view
 from .markers import StrippedHost
 from .metrics import check_metric_entry
-from .optim import OptimizerSpec, set_hypers
+from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
@@ -245,7 +245,9 @@ class ProgramSet:
 
         ``acc`` is None for ``accum == 1``; ``scale`` is ``1/accum`` (an input,
         so every ``accum`` shares the program); ``hypers`` is the per-step
-        hyperparameter vector laid out by ``opt.layout``; ``aux`` is the step's
+        hyperparameter vector laid out by ``opt.layout`` (with ``opt.ema``, its last
+        slot is the EMA decay: the average is updated here, after the update, so it
+        costs no dispatch); ``aux`` is the step's
         ``[loss, *train_metrics]`` averaged over its micro-batches.
         """
         p_def, s_def = self.param_def, self.state_def
@@ -264,9 +266,13 @@ class ProgramSet:
                     aux = acc[1] + aux
                 grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
                 grads = opt.clip(grads, hypers)
-                opt_state = set_hypers(opt_state, opt, hypers)
-                updates, opt_state = tx.update(grads, opt_state, params)
+                rule_state, ema = split_ema(opt_state, opt)
+                rule_state = set_hypers(rule_state, opt, hypers)
+                updates, rule_state = tx.update(grads, rule_state, params)
                 params = eqx.apply_updates(params, updates)
+                if ema is not None:  # the moving average, in the same program: no extra dispatch
+                    ema = update_ema(ema, params, hypers[opt.layout.ema_index])
+                opt_state = join_ema(rule_state, ema, opt)
                 leaves = jax.tree_util.tree_leaves
                 return leaves(params), leaves(new_state), leaves(opt_state), aux * scale
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-__all__ = ["Route", "route_of", "BatchFieldError", "KEY", "KEY_DATA", "KEY_COUNT"]
+__all__ = ["Route", "route_of", "check_reserved_fields", "BatchFieldError", "KEY", "KEY_DATA", "KEY_COUNT"]
 
 KEY = "key"
 """The reserved keyword through which traced hooks receive a PRNG key."""
@@ -46,12 +46,13 @@ class Route:
     def fields(self) -> tuple[str, ...]:
         return self.required + self.optional
 
-    def check(self, batch_fields) -> None:
-        """Raise :class:`BatchFieldError` if a required field is missing from ``batch_fields``."""
+    def check(self, batch_fields, where: str = "the batch") -> None:
+        """Raise :class:`BatchFieldError` if a required field is missing from ``batch_fields``
+        (``where`` names the batch in the message, e.g. "the `val` split's first batch")."""
         missing = [f for f in self.required if f not in batch_fields]
         if missing:
             raise BatchFieldError(
-                f"jaxnitro: hook `{self.hook}` requires batch field(s) {missing} but the batch "
+                f"jaxnitro: hook `{self.hook}` requires batch field(s) {missing} but {where} "
                 f"has {sorted(batch_fields)}. The hook declares {list(self.required)} as required "
                 f"keyword-only parameters{' and ' + str(list(self.optional)) + ' as optional' if self.optional else ''}. "
                 f"Fix: have the data source yield a field of that name, rename the hook's "
@@ -87,3 +88,22 @@ def route_of(hook: str, function) -> Route:
                 f"img, label)`)."
             )
     return Route(hook, tuple(required), tuple(optional), wants_key)
+
+
+def check_reserved_fields(batch_fields, routes: dict, where: str) -> None:
+    """Refuse a batch field named ``key`` when a traced hook declares the keyword ``key``.
+
+    That hook receives the framework's PRNG key through ``key``, never the column: the
+    column would be silently replaced. Raises ``ValueError`` naming the hooks, ``where``
+    (e.g. "the `train` split's first batch") and the fix.
+    """
+    if KEY not in batch_fields:
+        return
+    wanting = [h for h, r in routes.items() if r.wants_key]
+    if wanting:
+        raise ValueError(
+            f"jaxnitro: {where} has a field named `{KEY}`, but `{KEY}` is reserved: hook(s) "
+            f"{wanting} declare the keyword `{KEY}` and receive the framework's PRNG key there, so "
+            f"the column would be silently replaced. Fix: rename the column (e.g. `sample_key`) and "
+            f"declare that name in the hooks that read it."
+        )

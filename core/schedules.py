@@ -133,13 +133,35 @@ def materialize(factory, total: int, name: str) -> np.ndarray:
             f"function of the step."
         )
     steps = np.arange(total)
+    values = None
     try:
         values = np.asarray(schedule(steps), dtype=np.float32)
-        if values.shape == (total,):
-            return values
+        if values.shape != (total,):
+            values = None
     except Exception:
         pass
-    return np.asarray([float(schedule(int(s))) for s in steps], dtype=np.float32)
+    if values is None:
+        values = np.asarray([float(schedule(int(s))) for s in steps], dtype=np.float32)
+    return check_schedule_values(values, name)
+
+
+def check_schedule_values(values: np.ndarray, name: str) -> np.ndarray:
+    """Refuse a NaN or infinite schedule value, and a negative optimizer hyperparameter,
+    naming the schedule and the first bad step. Returns ``values``."""
+    bad = ~np.isfinite(values)
+    if name.startswith("opt/"):
+        bad |= values < 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        must = "a finite number >= 0" if name.startswith("opt/") else "a finite number"
+        raise ValueError(
+            f"jaxnitro: schedule `{name}` gives {float(values[i])!r} at step {i} (of {len(values)} "
+            f"steps, counted from 0); every value must be {must}. A NaN or negative learning rate "
+            f"or decay would silently make the weights NaN (reported later as a divergence). Fix "
+            f"the schedule (an optax schedule's arguments, a division by the horizon when it is 0 "
+            f"or 1, ...)."
+        )
+    return values
 
 
 class StepValues:

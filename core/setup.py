@@ -18,28 +18,38 @@ import attrs
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import knobs as _knobs
 from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
-from .experiment import fields_of, is_experiment, to_device_value
+from .experiment import check_traced_code, fields_of, is_experiment, to_device_value
 from .knobs import Settings
 from .logger import check_logger_knob
-from .optim import build_optimizer_spec
+from .optim import build_optimizer_spec, init_opt_state
 from .plugin_manager import resolve_hooks
 from .programs import ProgramSet, split_model
 from .progress import SetupSteps
-from .routing import route_of
+from .evaluation import check_eval_splits
+from .routing import check_reserved_fields, route_of
 from .schedules import bind_schedules
 from .state import Plan, TrainState
+from .weights import (
+    check_ema_knob,
+    check_tree_and_graph,
+    derived_values,
+    find_record,
+    install_resume,
+    install_weights,
+    tree_diff,
+    tree_diff_error,
+    tree_listing,
+)
+from .weights import check_keywords as check_weight_keywords
 
 __all__ = ["Built", "build", "TRACED_HOOKS"]
 
 TRACED_HOOKS = ("forward", "loss", "train_metrics", "metrics")
 """Hooks whose keyword-only parameters are routed batch fields."""
-
-_NOT_YET = ("resume", "w0", "restore_optimizer", "restore_best")
 
 
 @dataclass
@@ -60,22 +70,33 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     e = experiment
     hooks = resolve_hooks(e, Defaults())
     settings = _settings(e, kwargs)
+    record = find_record(e, kwargs, settings.run_dir, _monitor(e, hooks))  # weights= / resume= checkpoints
     steps.to("building data")
-    data, e = _load_data(e, hooks, kwargs, steps)
+    data, e, derived = _load_data(e, hooks, kwargs, steps, record)
     steps.to("checking splits")
     plan = _check_splits(hooks, data, settings)
+    plan.derived = derived
     steps.to("building model")
-    state = _build_model(e, plan, settings, kwargs.get("weights"))
+    state, initial = _build_model(e, plan, settings, kwargs.get("weights"), record)
     device_values = {
         name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
         for name, info in fields_of(e).items()
         if info.is_device
     }
     plan.metrics_on_device = _metrics_on_device(e, plan)
+    check_traced_code(e, plan.hooks, plan.metrics_on_device)
     plan.programs = _program_set(e, plan, state)
     steps.to("building optimizer")
-    state = _build_optimizer(e, plan, settings, data, state)
+    anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
+    plan.anchor_from = plan.weights_from if kwargs.get("w0") == "weights" else "build_model"
+    state = _build_optimizer(e, plan, settings, data, state, anchor)
+    if record is not None and kwargs.get("weights") is None:  # resume=
+        spe = len(data["train"]) // settings.accum if "train" in data else None
+        state = install_resume(
+            state, plan, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)), steps_per_epoch=spe
+        )
     settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
+    check_eval_splits(e, plan, state, device_values, data, settings.monitor)
     return Built(e, settings, data, plan, state, device_values)
 
 
@@ -89,21 +110,12 @@ def _check_call(experiment, kwargs: dict) -> None:
             f"@jn.experiment, instantiated), got {experiment!r}."
         )
     _knobs.check_keywords(kwargs)
-    for unsupported in _NOT_YET:
-        if kwargs.get(unsupported) not in (None, False):
-            raise NotImplementedError(
-                f"jaxnitro: `{unsupported}` is not available in this version yet "
-                f"(checkpointing, resume and EMA arrive with the checkpoint plugin)."
-            )
+    check_weight_keywords(kwargs)
 
 
 def _settings(e, kwargs: dict) -> Settings:
     knobs = _knobs.resolve_knobs(e, kwargs)
-    if knobs["ema"].value is not None:
-        raise NotImplementedError(
-            f"jaxnitro: run knob `ema` is set ({knobs['ema'].source}) but EMA is not available in "
-            f"this version yet; remove it (or set it to None) rather than have it silently ignored."
-        )
+    check_ema_knob(knobs["ema"].value, knobs["ema"].source)
     if knobs["n_devs"].value not in (None, 1):
         raise NotImplementedError(
             "jaxnitro: n_devs > 1 (data parallel) is not available in this version yet; use "
@@ -113,9 +125,10 @@ def _settings(e, kwargs: dict) -> Settings:
     return _knobs.make_settings(knobs, logger=logger, monitor=None)
 
 
-def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps):
-    """Take ``data=`` or call ``build_data``; wrap each split; run ``derive``. Returns
-    ``(data, experiment with the derived values merged)`` (host values)."""
+def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None):
+    """Take ``data=`` or call ``build_data``; wrap each split; run ``derive`` (or, with weights
+    from a checkpoint ``record``, restore the values it derived). Returns ``(data, experiment
+    with the derived values merged, the derived values)`` (host values)."""
     if kwargs.get("data") is not None:
         raw = kwargs["data"]
     else:
@@ -129,8 +142,11 @@ def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps):
     if not isinstance(raw, Mapping):
         raise TypeError(f"jaxnitro: the data must be a dict {{split: source}}, got {type(raw).__name__}.")
     data = {str(s): wrap_split(src, str(s)) for s, src in raw.items()}
+    if record is not None:  # the record's derived values, and `derive` is skipped
+        derived = derived_values(e, record)
+        return data, attrs.evolve(e, **derived), derived
     if "derive" not in hooks or not raw:
-        return data, e
+        return data, e, {}
     steps.to("deriving")
     # derive sees the user's sources, also when `data=` came from another handle
     derived = hooks["derive"].function(e, {s: unwrap(src) for s, src in data.items()}) or {}
@@ -141,7 +157,7 @@ def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps):
             f"{type(e).__name__}; declare them as fields (Device[...] for values traced "
             f"code reads) so derive can fill them in."
         )
-    return data, attrs.evolve(e, **derived)
+    return data, attrs.evolve(e, **derived), dict(derived)
 
 
 def _check_splits(hooks: dict, data: dict, settings: Settings) -> Plan:
@@ -156,6 +172,7 @@ def _check_splits(hooks: dict, data: dict, settings: Settings) -> Plan:
                 if h in routes:
                     routes[h].check(first.keys())
             plan.batch_fields = tuple(first.keys())
+            check_reserved_fields(first.keys(), routes, "the `train` split's first batch")
         return plan
     for split, src in data.items():
         first = peek(src) if len(src) else None
@@ -165,8 +182,10 @@ def _check_splits(hooks: dict, data: dict, settings: Settings) -> Plan:
     return plan
 
 
-def _build_model(e, plan: Plan, settings: Settings, weights) -> TrainState:
-    """Call ``build_model`` with a key from the seed; partition it once; warm-start if asked."""
+def _build_model(e, plan: Plan, settings: Settings, weights, record=None) -> tuple[TrainState, object]:
+    """Call ``build_model`` with a key from the seed; partition it once; warm-start or install a
+    checkpoint record's weights if asked (a resume installs its state after the optimizer).
+    Returns ``(state, build_model's params)``."""
     for hook in ("build_model", "forward"):
         if hook not in plan.hooks:
             raise TypeError(
@@ -184,33 +203,24 @@ def _build_model(e, plan: Plan, settings: Settings, weights) -> TrainState:
     params, plan.skeleton = split_model(model)
     state = TrainState(params=params, model_state=model_state, opt_state=None, step=0, epoch=0, rng=run_key)
     plan.weights_from = "build_model (seed %d)" % settings.seed
-    if weights is not None:
+    initial = state.params
+    if record is not None:
+        check_tree_and_graph(e, state.params, record)
+        if weights is not None:
+            state = install_weights(state, plan, record)
+    elif weights is not None:
         state = _warm_start(state, plan, weights)
-    return state
+    return state, initial
 
 
 def _warm_start(state: TrainState, plan: Plan, other) -> TrainState:
-    theirs_state = getattr(other, "state", None)
-    if not isinstance(theirs_state, TrainState):
-        raise NotImplementedError(
-            "jaxnitro: `weights=` takes another Nitro (warm start) in this version; checkpoint "
-            "paths and ('latest', 'best') arrive with the checkpoint plugin."
-        )
-    shapes = lambda tree: {  # noqa: E731
-        jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-    a, b = shapes(state.params), shapes(theirs_state.params)
-    diff = [
-        f"{name}: this model {a.get(name, 'missing')}, weights {b.get(name, 'missing')}"
-        for name in sorted(set(a) | set(b))
-        if a.get(name) != b.get(name)
-    ]
+    theirs_state = other.state
+    diff = tree_diff(tree_listing(state.params), tree_listing(theirs_state.params))
     if diff:
-        raise ValueError(
-            "jaxnitro: `weights=` come from a model with a different tree; leaves that differ:\n  "
-            + "\n  ".join(diff)
-            + "\nWarm-start from a handle whose model has the same structure (same GraphConst "
-            "fields such as the width), or build this one without `weights=`."
+        raise tree_diff_error(
+            diff,
+            "Warm-start from a handle whose model has the same structure (same GraphConst "
+            "fields such as the width), or build this one without `weights=`.",
         )
     copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # noqa: E731
     model_state = state.model_state if theirs_state.model_state is None else copy(theirs_state.model_state)
@@ -259,8 +269,11 @@ def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
     )
 
 
-def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: TrainState) -> TrainState:
-    """Groups, rules and optimizer state (only with a train split); bind the schedules."""
+def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: TrainState, anchor=None) -> TrainState:
+    """Groups, rules and optimizer state (only with a train split); bind the schedules.
+
+    ``anchor``: the weights ``decay_anchor = "w0"`` groups decay toward when they are not
+    the current params (``build_model``'s, after ``weights=`` without ``w0="weights"``)."""
     hooks = plan.hooks
     if "train" in data:
         if "loss" not in hooks:
@@ -268,10 +281,15 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
                 f"jaxnitro: {type(e).__name__} has a `train` split but no `loss` hook; define "
                 f"`def loss(self, outputs, *, <batch fields>) -> scalar`."
             )
-        plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm)
-        plan.base_lr = float(hooks["learning_rate"].function(e))
+        ema_decay = check_ema_knob(settings.ema, settings.source("ema"))
+        plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
+        _knobs.check_optimizer_groups(plan.opt_spec.groups, type(e).__name__)
+        plan.base_lr = _knobs.check_learning_rate(
+            hooks["learning_rate"].function(e),
+            f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
+        )
         plan.tx = plan.opt_spec.transformation()
-        state = state.replace(opt_state=plan.tx.init(state.params))
+        state = state.replace(opt_state=init_opt_state(plan.opt_spec, plan.tx, state.params, anchor))
     group_names = tuple(g.name for g in plan.opt_spec.groups) if plan.opt_spec else ()
     device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
     plan.bindings = bind_schedules(settings.schedules, device_fields, group_names)

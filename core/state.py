@@ -27,7 +27,8 @@ __all__ = ["TrainState", "Plan", "ResumePoint", "RunRecord"]
 @dataclass(frozen=True)
 class TrainState:
     """Params (``eqx.partition``'s array half), model state (``eqx.nn.State`` or None),
-    optimizer state (None without a train split), ``step`` (optimizer steps taken),
+    optimizer state (None without a train split; ``(rules' state, EmaState)`` with
+    ``ema=jn.EMA(...)``, and L2-SP anchors inside the rules' state), ``step`` (optimizer steps taken),
     ``epoch`` (epochs begun) and ``rng`` (the run's base key; hooks declaring ``key`` get
     ``fold_in(rng, micro-batch number)``).
 
@@ -102,7 +103,9 @@ class Plan:
     - ``weights_from``: where the initial weights came from, in words;
     - ``derived``: what ``derive`` returned (or the record restored), ``{field: host value}``;
     - ``anchor_from``: what ``decay_anchor = "w0"`` groups decay toward, in words;
-    - ``resumed``: for ``resume=``, where the run continues from (:class:`ResumePoint`), else None.
+    - ``resumed``: for ``resume=``, where the run continues from (:class:`ResumePoint`), else None;
+    - ``weights_meta``: the checkpoint record's metadata (``step``, ``epoch``, ``metrics``, ...)
+      when the weights came from a checkpoint (``weights=``, ``resume=``), else None.
     """
 
     hooks: dict
@@ -120,15 +123,17 @@ class Plan:
     derived: dict = field(default_factory=dict)
     anchor_from: str = "build_model"
     resumed: "ResumePoint | None" = None
+    weights_meta: dict | None = None
 
 
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed handle continues: the checkpoint, its run folder and position.
 
-    ``continue_folder`` is True when the checkpoint is its run's newest: the run
-    then continues that folder (its ``metrics.jsonl``, its checkpoints); otherwise
-    (an earlier checkpoint, e.g. ``restore_best``) it branches into a new folder.
+    ``continue_folder`` is True when no later checkpoint of its run could be continued
+    from (later ones, if any, are mid-epoch or diverged): the run then continues that
+    folder (its ``metrics.jsonl``, its checkpoints); otherwise (an earlier checkpoint,
+    e.g. ``restore_best``) it branches into a new folder.
     """
 
     path: str

@@ -101,7 +101,7 @@ def run_training(nitro) -> None:
     with stop_signals():
         try:
             record.status = "running"
-            record.run_dir = new_run_folder(nitro.settings.run_dir)
+            record.run_dir = run_folder_of(nitro)
             run = RunContext(nitro, record.run_dir)
             record.loggers = run.loggers = make_loggers(nitro.settings.logger, record.run_dir, nitro.experiment)
             with run_scoped([LoggerRelay(logger, run) for logger in run.loggers]):
@@ -122,6 +122,15 @@ def run_training(nitro) -> None:
         finally:
             record.status = status
             release_sources(nitro.data)  # once per run end; a released source reopens when read again
+
+
+def run_folder_of(nitro) -> str:
+    """The run's folder: with ``resume=`` from a checkpoint its run can continue from, that
+    run's folder (its metrics.jsonl and checkpoints go on); otherwise a new one."""
+    resumed = nitro.plan.resumed
+    if resumed is not None and resumed.continue_folder and resumed.run_folder and os.path.isdir(resumed.run_folder):
+        return resumed.run_folder
+    return new_run_folder(nitro.settings.run_dir)
 
 
 def _status_of(exc: BaseException) -> str:

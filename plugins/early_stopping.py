@@ -15,9 +15,12 @@ message). Host-side: nothing here is part of a compiled program.
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 
 import attrs
 
+from jaxnitro.evaluation import check_monitored_value
 from jaxnitro.hookspecs import hookimpl
 
 __all__ = ["EarlyStopping"]
@@ -40,8 +43,19 @@ class EarlyStopping:
     bad_epochs: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self):
-        if self.patience < 1:
-            raise ValueError(f"jaxnitro: EarlyStopping(patience={self.patience}) must be >= 1.")
+        p, d = self.patience, self.min_delta
+        if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 1:
+            raise ValueError(
+                f"jaxnitro: EarlyStopping(patience={p!r}): patience is a whole number of validated "
+                f"epochs >= 1 (e.g. patience=5)."
+            )
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not math.isfinite(d) or d < 0:
+            raise ValueError(
+                f"jaxnitro: EarlyStopping(min_delta={d!r}): min_delta is the least change that counts "
+                f"as an improvement, a finite number >= 0 in the metric's units; a negative value "
+                f"would count a worse epoch as an improvement. The direction comes from `monitor` "
+                f"('max' or 'min'), not from the sign of min_delta."
+            )
 
     def reset(self) -> None:
         """Forget the record (a new run starts)."""
@@ -106,6 +120,21 @@ def jaxnitro_epoch_end(run, row):
     if policy is None or monitor is None or monitor[0] not in row:
         return
     name, mode = monitor
-    if policy.should_stop(row["epoch"], row[name], mode):
+    value = row[name]
+    check_monitored_value(name, value)
+    nan = math.isnan(float(value))
+    if nan:
+        warnings.warn(
+            f"jaxnitro: the monitored metric {name!r} is NaN at epoch {row['epoch']}; early stopping "
+            f"counts it as no improvement. A NaN metric usually means a count of 0, a log(0), or "
+            f"weights that became NaN.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if policy.should_stop(row["epoch"], value, mode):
         patience = getattr(policy, "patience", "?")
-        run.request_stop(f"early stopping: {name} did not improve for {patience} epochs")
+        why = (
+            f"{name} was NaN at epoch {row['epoch']} (NaN never counts as an improvement), so it did "
+            f"not improve for {patience} epochs" if nan else f"{name} did not improve for {patience} epochs"
+        )
+        run.request_stop(f"early stopping: {why}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from jaxnitro.experiment import is_experiment
+from jaxnitro.experiment import call_method, is_experiment, method_of
 from jaxnitro.hookspecs import EXPERIMENT_HOOKS, hookimpl
 from jaxnitro.knobs import SCALAR_KNOBS
 
@@ -70,13 +70,14 @@ class Snapshot:
         if redefined_class:
             current_cls = newer
         for name, (accessor, value) in self.knobs.items():
-            now_fn = getattr(current_cls, name, None)
-            if now_fn is None:
+            method = method_of(current_cls, name)  # a method wins over a field, as knobs resolve
+            if method is None:
                 continue
-            if now_fn is accessor or _same_code(now_fn, accessor):
+            now_fn = getattr(method, "__func__", method)
+            if now_fn is accessor or getattr(accessor, "__func__", None) is now_fn or _same_code(now_fn, accessor):
                 continue
             try:
-                now = now_fn(e)
+                now = call_method(e, method)
             except Exception as err:  # an accessor that no longer runs is a change too
                 now = f"<raises {type(err).__name__}>"
             if now != value:

@@ -3,8 +3,9 @@
 The cache is process-wide, so every assertion compares *deltas* of
 ``misses`` (one miss = one trace = one XLA compilation), never absolute
 values. Tests that need exact miss counts use a fresh experiment class
-(``fresh_tiny`` from ``tiny.py``): the class is part of every program key,
-so such a class starts with no programs whatever other tests compiled before.
+(``fresh_tiny`` from ``tiny.py``): the class's content is part of every program
+key and each fresh class has a unique member, so such a class starts with no
+programs whatever other tests compiled before.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def misses() -> int:
 def traces_of(cls) -> dict[str, list[int]]:
     """``{kind: [traces of each cached program of that kind]}`` for the programs of ``cls``."""
     out: dict[str, list[int]] = defaultdict(list)
+    mine = jcache.stable_key(cls)  # programs are keyed by the class's content
     for (kind, key), program in list(jcache._programs.items()):
-        if key[0] is cls:
+        if key[0] == mine:
             out[kind].append(program.traces)
     return {k: sorted(v) for k, v in out.items()}
 

@@ -176,7 +176,10 @@ def disable(monkeypatch):
     jn.reload_plugins()
 
 
-BUILTINS = ("jsonl", "progress", "early_stopping", "history_table", "report", "staleness")
+BUILTINS = (
+    "jsonl", "progress", "early_stopping", "history_table", "report", "staleness", "plot",
+    "console", "tensorboard", "mlflow", "array_source", "grain_loader", "torch_loader", "orbax",
+)
 
 
 def test_every_builtin_is_an_entry_point_of_this_distribution():

@@ -149,8 +149,9 @@ def test_accum_2_equals_one_batch_of_twice_the_width(tmp_path):
 
 
 def test_nan_loss_after_some_steps_stops_with_status_diverged(tmp_path):
-    # smoothing turns NaN from the 9th optimizer step on: the loss becomes NaN there
-    poison = {"smoothing": lambda total: lambda s: np.where(np.asarray(s) < 8, 0.0, np.nan)}
+    # the temperature drops to 0 from the 9th optimizer step on: logits / 0, the loss becomes NaN
+    # there (a NaN schedule value is refused at train start, so the poison is a finite 0)
+    poison = {"temperature": lambda total: lambda s: np.where(np.asarray(s) < 8, 1.0, 0.0)}
     with pytest.warns(RuntimeWarning, match=r"non-finite at step 9 \(epoch 2\).*'diverged'"):
         n = jn.train(Tiny(), run_dir=tmp_path, max_epochs=5, schedules=poison)
     assert n.status == "diverged"
@@ -171,7 +172,7 @@ def test_huge_learning_rate_diverges(tmp_path):
 
 
 def test_check_divergence_false_keeps_running(tmp_path):
-    poison = {"smoothing": lambda total: lambda s: np.where(np.asarray(s) < 8, 0.0, np.nan)}
+    poison = {"temperature": lambda total: lambda s: np.where(np.asarray(s) < 8, 1.0, 0.0)}
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         n = jn.train(Tiny(), run_dir=tmp_path, max_epochs=2, schedules=poison, check_divergence=False,

@@ -5,6 +5,8 @@ Small enough that a compile takes well under a second on 2 CPU cores.
 
 from __future__ import annotations
 
+import itertools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -102,14 +104,20 @@ class Tiny(TinyCore):
 def fresh_tiny(name: str = "FreshTiny", **members):
     """A new experiment class: a subclass of Tiny with its own compile-cache keys.
 
-    The class is part of every program key, so a fresh class starts with no
-    programs, whatever other tests compiled before. ``members`` become class
-    attributes: hooks, or, for a name that is a field of Tiny, that field's new
-    default (it keeps its marker; attribute docs of a class made here are empty).
+    The class's content is part of every program key (an unchanged class defined
+    again shares its programs), so each fresh class gets a unique ``_fresh_id``
+    member: it starts with no programs, whatever other tests compiled before.
+    ``members`` become class attributes: hooks, or, for a name that is a field of
+    Tiny, that field's new default (it keeps its marker; attribute docs of a class
+    made here are empty).
     """
     fields = fields_of(Tiny)
     overridden = {field: _annotation(Tiny, field) for field in members if field in fields}
-    return jn.experiment(type(name, (Tiny,), {"__annotations__": overridden, **members}))
+    unique = {"_fresh_id": next(_FRESH_IDS)}
+    return jn.experiment(type(name, (Tiny,), {"__annotations__": overridden, **unique, **members}))
+
+
+_FRESH_IDS = itertools.count()
 
 
 def _annotation(cls, name: str):

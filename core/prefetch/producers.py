@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from .contract import accessors
-from .failures import Failure, failure_error
+from .failures import Failure, SourceLengthError, failure_error
 
 #: Longest time, in seconds, that tearing down an epoch stream waits for a
 #: producer thread that is still inside ``batch_at`` or the source's iterator.
@@ -61,12 +61,15 @@ class Producers:
         self.threads: list[threading.Thread] = []
 
     def start(
-        self, source: Any, addressable: bool, epoch: int, workers: int, ordered: bool
+        self, source: Any, addressable: bool, epoch: int, workers: int, ordered: bool,
+        split: str | None = None,
     ) -> Iterator[tuple[int, Any]]:
-        """Start producing ``epoch`` of ``source``; the ``(index, batch)`` pairs."""
+        """Start producing ``epoch`` of ``source``; the ``(index, batch)`` pairs. An iterated
+        source must yield ``len(source)`` batches (:class:`SourceLengthError` naming ``split``)."""
         if not addressable:
+            n = len(source)
             self._start_iterating(source)
-            return _iterated(self, epoch)
+            return _iterated(self, epoch, n, split)
         batch_at, begin = accessors(source)
         begin(epoch)
         n = len(source)
@@ -196,13 +199,19 @@ def _indexed_unordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, 
         yield item
 
 
-def _iterated(p: Producers, epoch: int) -> Iterator[tuple[int, Any]]:
+def _iterated(p: Producers, epoch: int, n: int, split: str | None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
+    count = 0
     while True:
         item = get()
         if item is _END:
+            if count != n:
+                raise SourceLengthError(split, n, count, epoch)
             return
         release(None)
         if item.__class__ is Failure:
             raise failure_error(item.index, item.exc, epoch, "iterating the source")
+        if count == n:
+            raise SourceLengthError(split, n, n + 1, epoch)
+        count += 1
         yield item

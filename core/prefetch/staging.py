@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .contract import accessors
-from .failures import PrefetchError, failure_error
+from .failures import PrefetchError, SourceLengthError, failure_error
 
 
 def synchronous(
@@ -31,9 +31,13 @@ def synchronous(
     epoch: int,
     transfer: Callable[[Any], Any] | None,
     depth: int,
+    split: str | None = None,
 ) -> Iterator[Any]:
-    """One pass over ``source`` in the consumer's thread, staged ``depth`` ahead."""
-    items = _indexed(source, epoch) if addressable else _iterated(source, epoch)
+    """One pass over ``source`` in the consumer's thread, staged ``depth`` ahead.
+
+    An iterated source must yield exactly ``len(source)`` batches
+    (:class:`SourceLengthError` naming ``split`` otherwise)."""
+    items = _indexed(source, epoch) if addressable else _iterated(source, epoch, split)
     return staged(items, transfer, depth, epoch)
 
 
@@ -48,8 +52,9 @@ def _indexed(source: Any, epoch: int) -> Iterator[tuple[int, Any]]:
         yield i, batch
 
 
-def _iterated(source: Iterable, epoch: int) -> Iterator[tuple[int, Any]]:
+def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:
     i = 0
+    n = len(source)
     try:
         it = iter(source)
     except Exception as exc:  # noqa: BLE001
@@ -59,9 +64,13 @@ def _iterated(source: Iterable, epoch: int) -> Iterator[tuple[int, Any]]:
             try:
                 batch = next(it)
             except StopIteration:
+                if i != n:
+                    raise SourceLengthError(split, n, i, epoch) from None
                 return
             except Exception as exc:  # noqa: BLE001
                 raise failure_error(i, exc, epoch, "iterating the source")
+            if i == n:
+                raise SourceLengthError(split, n, n + 1, epoch)
             yield i, batch
             i += 1
     finally:

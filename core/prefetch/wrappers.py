@@ -70,6 +70,7 @@ class _Wrapper:
 
     source: Any
     addressable: bool
+    split: str | None = None  # the split's name, for messages (set by jaxnitro when it wraps a split)
     workers: int
     device_batches: int
     host_batches: int
@@ -140,7 +141,7 @@ class _Wrapper:
 
     def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
         """The synchronous path: produce and stage in the consumer's thread."""
-        return synchronous(self.source, self.addressable, epoch, transfer, self.device_batches)
+        return synchronous(self.source, self.addressable, epoch, transfer, self.device_batches, self.split)
 
     def release(self) -> None:
         """Stop any open epoch stream, then call ``source.release()`` if defined.
@@ -333,7 +334,7 @@ class PrefetchIterator(_Wrapper):
     def _threaded(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
         producers = Producers(self.host_batches)
         try:
-            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered)
+            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split)
             yield from staged(items, transfer, self.device_batches, epoch)
         finally:
             producers.stop()

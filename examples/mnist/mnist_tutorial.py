@@ -149,6 +149,10 @@ class MnistMLP:
     def monitor(self):
         return ("macro_recall", "max")
 
+    def checkpointer(self):
+        # Checkpoints rank by `monitor`: keep the three best epochs and the newest one.
+        return jn.Checkpointer(keep=(jn.Best(3), jn.Last(1)))
+
     def early_stop(self):
         return jn.EarlyStopping(patience=5)
 
@@ -168,12 +172,19 @@ def main(argv=None) -> dict:
     nitro = jn.train(e, run_dir=args.run_dir)
     print(nitro)
     print(nitro.history())
-    test = nitro.evaluate(split="test")
+
+    # Evaluate the best checkpoint, not the last epoch's weights: a new handle on the same data
+    # (no build_data, nothing compiles) restores the run's best epoch by macro_recall.
+    best = jn.Nitro(e, data=nitro.data, run_dir=args.run_dir, weights=(nitro.run_dir, "best"))
+    chosen = best.plan.weights_meta
+    print(f"best checkpoint: epoch {chosen['epoch']} (macro_recall {chosen['metrics']['macro_recall']:.4f}), "
+          f"of {nitro.epoch} trained")
+    test = best.evaluate(split="test")
     print(f"test: acc {test['acc']:.4f}  macro_recall {test['macro_recall']:.4f}")
 
     # Prediction on new data: a batch dict with only the fields `forward` declares.
     new_images = nitro.data["test"].source.batch_at(0)["img"][:6]
-    logits = nitro.predict({"img": new_images})  # host array (6, 10), padded to 100 and sliced back
+    logits = best.predict({"img": new_images})  # host array (6, 10), padded to 100 and sliced back
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)  # softmax outside the compiled program, once
     print("predicted digits:", np.argmax(logits, -1), "confidence:", np.round(probs.max(-1), 3))

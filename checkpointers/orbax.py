@@ -1,0 +1,805 @@
+"""The orbax checkpointer: ``jn.Checkpointer``, ``jn.Best``, ``jn.Last``, ``jn.Average``.
+
+Entry point ``orbax``. It
+
+* exports :class:`Checkpointer`, :class:`Best`, :class:`Last` and :class:`Average`;
+* accepts the ``checkpointer`` run knob (refusing ``Best`` without a ``monitor`` hook or a
+  ``val`` split);
+* saves a checkpoint at each epoch's end (``jaxnitro_epoch_end``) into
+  ``<run folder>/checkpoints/<step>`` with an orbax ``CheckpointManager``, keeping the
+  union of the ``keep`` policies; at an interrupted, terminated or diverged end it saves the
+  state the run ended with, which never displaces an epoch-end checkpoint; a run's end
+  (``jaxnitro_run_finish``) waits for asynchronous saves;
+* answers ``jaxnitro_load_weights``: finds the checkpoint(s) a ``weights=`` / ``resume=``
+  spec names and describes them as a :class:`jaxnitro.weights.WeightsRecord`.
+
+A checkpoint is a plain orbax checkpoint (``docs/checkpoints.md``) with two items:
+``state`` (``StandardSave`` of ``{"params", "model_state", "opt_state", "ema"}``, each key
+present when the run has it; ``opt_state`` is the optimizer rules' state) and ``meta``
+(``JsonSave``: experiment class, GraphConst values, the parameter tree, step, epoch, data
+position, PRNG key, derived values, the epoch's metrics). Reading takes only the subtrees
+it needs (orbax's partial restore): serving never reads the optimizer state. orbax writes a step into a temporary folder and renames it when
+complete, so a save cut short by a killed process is never listed, let alone selected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxnitro
+from jaxnitro.experiment import fields_of
+from jaxnitro.hookspecs import hookimpl
+from jaxnitro.optim import ema_of, rule_state_of
+from jaxnitro.weights import NoCheckpointError, WeightsRecord, from_jsonable, jsonable, tree_listing
+
+__all__ = ["Checkpointer", "Best", "Last", "Average", "FORMAT"]
+
+FORMAT = 1
+"""Version of the ``meta`` record."""
+
+CHECKPOINTS = "checkpoints"
+"""The folder, inside a run folder, that holds its checkpoints."""
+
+_RUN_NAME = re.compile(r"^(\d{8}-\d{6})-(\d+)$")
+_TMP = ".orbax-checkpoint-tmp"
+MAX_QUEUED = 2
+"""Saves waiting for the worker thread before an epoch's end waits for the oldest (each holds a
+device copy of the state)."""
+_EPOCH_END = "epoch_end"  # the orbax metric marking an epoch-end checkpoint (1.0) or a run's end (0.0)
+
+
+def _ocp():
+    """``orbax.checkpoint``, imported on first use (it takes about a second to import)."""
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+# -- the public objects ---------------------------------------------------------------------
+
+
+def _count(kind: str):
+    def check(instance, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            what = "best" if kind == "Best" else "latest"
+            raise ValueError(
+                f"jaxnitro: {kind}({value!r}) keeps the {what} n checkpoints; n must be an integer "
+                f">= 1 (e.g. {kind}(3)). To keep none of that kind, leave {kind} out of `keep`."
+            )
+
+    return check
+
+
+@attrs.frozen
+class Best:
+    """Keep the ``n`` checkpoints whose monitored metric (``monitor``) is best."""
+
+    n: int = attrs.field(default=1, validator=_count("Best"))
+
+
+@attrs.frozen
+class Last:
+    """Keep the ``n`` newest epoch-end checkpoints."""
+
+    n: int = attrs.field(default=1, validator=_count("Last"))
+
+
+def _of(instance, attribute, value):
+    if not isinstance(value, (Best, Last)):
+        raise TypeError(
+            f"jaxnitro: Average({value!r}); average the checkpoints a policy selects: "
+            f"jn.Average(jn.Last(10)) or jn.Average(jn.Best(3))."
+        )
+
+
+@attrs.frozen
+class Average:
+    """A uniform average of the parameters of the checkpoints ``of`` selects (``weights=`` only).
+
+    ``("latest", jn.Average(jn.Last(10)))``, or ``jn.Average(jn.Best(3))`` (the latest run).
+    Model state (e.g. batch-norm statistics) comes from the newest of them.
+    """
+
+    of: Best | Last = attrs.field(validator=_of)
+
+
+def _keep(value):
+    if isinstance(value, (Best, Last)):
+        return (value,)
+    return value if value is None else tuple(value)
+
+
+def _check_keep(instance, attribute, value):
+    if value is None:
+        return
+    bad = [k for k in value if not isinstance(k, (Best, Last))]
+    if bad or not value:
+        raise TypeError(
+            f"jaxnitro: Checkpointer(keep={value!r}); `keep` is a tuple of policies, e.g. "
+            f"(jn.Best(3), jn.Last(1)): the union of what each keeps is kept."
+        )
+    for kind in (Best, Last):
+        if sum(isinstance(k, kind) for k in value) > 1:
+            raise ValueError(
+                f"jaxnitro: Checkpointer(keep={value!r}) has two {kind.__name__} policies; give one "
+                f"(the larger n keeps both sets)."
+            )
+
+
+def _every(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"jaxnitro: Checkpointer(every={value!r}); it must be an integer >= 1 (epochs).")
+
+
+@attrs.frozen
+class Checkpointer:
+    """Save a checkpoint at the end of every ``every``-th epoch (and the last), with orbax.
+
+    ``keep``: the policies whose union is kept, e.g. ``(jn.Best(3), jn.Last(1))``; None
+    keeps ``(Best(1), Last(1))`` when the experiment has a ``monitor`` hook and a
+    ``val`` split, ``(Last(1),)`` otherwise. ``asynchronous``: write on a worker thread
+    (the run's end waits for the last write); False writes before the loop goes on.
+    """
+
+    keep: tuple | None = attrs.field(default=None, converter=_keep, validator=_check_keep)
+    every: int = attrs.field(default=1, validator=_every)
+    asynchronous: bool = True
+
+    def policies(self, monitor, validated: bool) -> tuple:
+        if self.keep is not None:
+            return self.keep
+        return (Best(1), Last(1)) if monitor is not None and validated else (Last(1),)
+
+
+# -- the hooks ----------------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def jaxnitro_exports():
+    return {"Checkpointer": Checkpointer, "Best": Best, "Last": Last, "Average": Average}
+
+
+@hookimpl(trylast=True)
+def jaxnitro_accept_knob(name, value, nitro):
+    """Take the ``checkpointer`` knob: a :class:`Checkpointer`; ``Best`` needs a monitor and a ``val`` split."""
+    if name != "checkpointer":
+        return None
+    source = nitro.settings.source("checkpointer")
+    if not isinstance(value, Checkpointer):
+        raise TypeError(
+            f"jaxnitro: `checkpointer` = {value!r} ({source}); give jn.Checkpointer(keep=(jn.Best(3), "
+            f"jn.Last(1))), or None to save no checkpoints."
+        )
+    if any(isinstance(k, Best) for k in value.keep or ()):
+        cls_name = type(nitro.experiment).__name__
+        if nitro.settings.monitor is None:
+            raise ValueError(
+                f"jaxnitro: `checkpointer` keeps Best checkpoints ({source}) but {cls_name} has no "
+                f"`monitor` hook, so there is nothing to rank them by. Define `def monitor(self): "
+                f"return ('<metric>', 'max' | 'min')`, or keep only jn.Last(n)."
+            )
+        if "val" not in nitro.data and "train" in nitro.data:
+            raise ValueError(
+                f"jaxnitro: `checkpointer` keeps Best checkpoints ({source}), ranked by the `val` "
+                f"split's {nitro.settings.monitor[0]!r}, but the data has no `val` split (splits: "
+                f"{sorted(nitro.data)}). Return one from build_data, or keep only jn.Last(n)."
+            )
+    return True
+
+
+_SAVERS: dict[int, "_Saver"] = {}
+
+
+def _saver(run):
+    return _SAVERS.get(id(run))
+
+
+@hookimpl(trylast=True)
+def jaxnitro_run_start(run):
+    ckpt = run.settings.checkpointer
+    if isinstance(ckpt, Checkpointer):
+        _SAVERS[id(run)] = _Saver(run, ckpt)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_epoch_trained(run, epoch, step, stats):
+    saver = _saver(run)
+    if saver is not None:
+        saver.epoch_trained(epoch, step)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_epoch_end(run, row):
+    saver = _saver(run)
+    if saver is not None:
+        saver.epoch_end(row)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_run_finish(run, status):
+    saver = _SAVERS.pop(id(run), None)
+    if saver is not None:
+        saver.finish(status)
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+def _is_epoch_end(metrics) -> bool:
+    return bool(metrics) and metrics.get(_EPOCH_END) == 1
+
+
+@attrs.define
+class _LastEpochEnds:
+    """orbax preservation policy: the ``n`` newest epoch-end checkpoints."""
+
+    n: int
+
+    def should_preserve(self, checkpoints, *, context):
+        ends = [i for i, c in enumerate(checkpoints) if _is_epoch_end(c.metrics)]
+        keep = set(ends[-self.n :])
+        return [i in keep for i in range(len(checkpoints))]
+
+
+@attrs.define
+class _NewestRunEnd:
+    """orbax preservation policy: a run-end checkpoint (interrupted, diverged) while it is the newest."""
+
+    def should_preserve(self, checkpoints, *, context):
+        return [i == len(checkpoints) - 1 and not _is_epoch_end(c.metrics) for i, c in enumerate(checkpoints)]
+
+
+def _rank(name: str, mode: str):
+    worst = -math.inf if mode == "max" else math.inf
+
+    def rank(metrics) -> float:
+        value = metrics.get(name) if _is_epoch_end(metrics) else None
+        return worst if value is None or not math.isfinite(value) else float(value)
+
+    return rank
+
+
+def _policy(policies, monitor):
+    parts = [_NewestRunEnd()]
+    for p in policies:
+        if isinstance(p, Last):
+            parts.append(_LastEpochEnds(p.n))
+        elif monitor is not None:
+            name, mode = monitor
+            parts.append(
+                _ocp().checkpoint_managers.BestN(
+                    get_metric_fn=_rank(name, mode), reverse=mode == "min", n=p.n,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+    return _ocp().checkpoint_managers.AnyPreservationPolicy(parts)
+
+
+def _copy(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _rng_record(rng) -> dict:
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    arr = np.asarray(rng)
+    return {"data": arr.tolist(), "dtype": str(arr.dtype)}
+
+
+class _Saver:
+    """One run's checkpoints: the orbax manager, and a worker thread that feeds it.
+
+    At an epoch's end the state is copied on the device (an asynchronous copy: the next
+    epoch's steps donate the published buffers) and handed to one worker thread, which
+    calls orbax (host transfer and write; orbax's own asynchronous mode would only add
+    threads). The loop waits for a checkpoint only when two are already queued; the run's
+    end (``finish``) waits for all of them.
+
+    Without a ``val`` split the loop does not wait at epoch boundaries: epoch k's
+    ``epoch_end`` can arrive after epoch k + 1 has started. Such an epoch's state is
+    copied at ``epoch_trained``, when it is still the published one.
+    """
+
+    def __init__(self, run, ckpt: Checkpointer):
+        self.run, self.ckpt = run, ckpt
+        nitro = run.nitro
+        self.validated = "val" in nitro.data
+        self.monitor = run.monitor
+        self.dir = os.path.join(os.path.abspath(run.run_dir), CHECKPOINTS)
+        ocp = _ocp()
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=_policy(ckpt.policies(self.monitor, self.validated), self.monitor),
+            enable_async_checkpointing=False,  # the worker thread is the asynchrony (fewer threads, less CPU)
+            cleanup_tmp_directories=True,  # what a killed save left behind in a continued run folder
+            create=True,
+        )
+        self.mgr = ocp.CheckpointManager(self.dir, options=options)
+        self.start_step = nitro.step
+        self.saved = set(self.mgr.all_steps())
+        self.snapshots: dict[int, object] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxnitro-checkpoint")
+        self.pending: list = []
+        self.static = self._static_meta()
+
+    def due(self, epoch: int) -> bool:
+        return epoch % self.ckpt.every == 0 or epoch >= self.run.settings.max_epochs
+
+    def epoch_trained(self, epoch: int, step: int) -> None:
+        if not self.validated and self.due(epoch):
+            self.snapshots[epoch] = _copy(self.run.nitro.state)
+
+    def epoch_end(self, row: dict) -> None:
+        self.raise_failed()
+        epoch = row["epoch"]
+        state = self.snapshots.pop(epoch, None)
+        if state is None and self.run.nitro.state.step == row["step"]:
+            state = _copy(self.run.nitro.state)
+        if state is not None and self.due(epoch):
+            self.submit(state, row, end=None)
+
+    def finish(self, status: str) -> None:
+        try:
+            nitro = self.run.nitro
+            state, rows = nitro.state, nitro.rows
+            row = rows[-1] if rows and rows[-1].get("step") == state.step else None
+            if status == "done" and row is not None and math.isfinite(row.get("train_loss", 0.0)):
+                self.submit(state, row, end=None)  # the last epoch, when `every` skipped it
+            elif status in ("interrupted", "terminated", "diverged") and state.step > self.start_step:
+                self.submit(state, row if status != "diverged" else None, end=status)
+        finally:
+            self.snapshots.clear()
+            self.pool.shutdown(wait=True)
+            try:
+                self.raise_failed()
+            finally:
+                self.mgr.wait_until_finished()
+                self.mgr.close()
+
+    def raise_failed(self) -> None:
+        """Re-raise the first failed save (a full disk, a permission error), naming the folder."""
+        done = [f for f in self.pending if f.done()]
+        self.pending = [f for f in self.pending if not f.done()]
+        for f in done:
+            err = f.exception()
+            if err is not None:
+                raise RuntimeError(f"jaxnitro: saving a checkpoint under {self.dir} failed: {err!r}") from err
+
+    def submit(self, state, row, end) -> None:
+        step = int(state.step)
+        if step in self.saved:
+            return
+        self.saved.add(step)
+        while sum(not f.done() for f in self.pending) >= MAX_QUEUED:  # saves slower than epochs:
+            next(f for f in self.pending if not f.done()).exception()  # wait, rather than hold copies
+        meta = dict(self.static, **self._position(state, row, end))
+        if self.ckpt.asynchronous:
+            self.pending.append(self.pool.submit(self.write, state, row, meta, end))
+        else:
+            self.write(state, row, meta, end)
+
+    def write(self, state, row, meta, end) -> None:
+        """On the worker thread: one orbax save (the host copy here; the write may go on after)."""
+        ocp = _ocp()
+        tree = {"params": state.params}
+        if state.model_state is not None:
+            tree["model_state"] = state.model_state
+        if state.opt_state is not None:
+            tree["opt_state"] = rule_state_of(state.opt_state)
+            if ema_of(state.opt_state) is not None:
+                tree["ema"] = ema_of(state.opt_state)
+        meta["items"] = list(tree)
+        metrics = {_EPOCH_END: 1.0 if end is None else 0.0}
+        if row is not None and self.monitor is not None:
+            value = row.get(self.monitor[0])
+            if isinstance(value, (int, float, np.number)) and math.isfinite(float(value)):
+                metrics[self.monitor[0]] = float(value)
+        # one pytree item (each orbax item has a fixed cost of ~20 ms CPU) and the JSON record
+        args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
+        self.mgr.save(int(state.step), args=args, metrics=metrics, force=True)
+
+    def _static_meta(self) -> dict:
+        """The parts of the record every checkpoint of the run shares."""
+        nitro = self.run.nitro
+        e, state = nitro.experiment, nitro.state
+        return {
+            "format": FORMAT,
+            "jaxnitro": jaxnitro.__version__,
+            "experiment": {"module": type(e).__module__, "qualname": type(e).__qualname__},
+            "graph_const": {
+                n: jsonable(getattr(e, n), strict=False) for n, i in fields_of(e).items() if i.is_graph_const
+            },
+            "derived": {n: jsonable(v, strict=False) for n, v in (nitro.plan.derived or {}).items()},
+            "tree": {
+                "params": tree_listing(state.params),
+                "model_state": tree_listing(state.model_state) if state.model_state is not None else None,
+            },
+            "steps_per_epoch": self.run.steps_per_epoch,
+            "accum": nitro.settings.accum,
+            "seed": nitro.settings.seed,
+            "rng": _rng_record(state.rng),
+            "monitor": list(self.monitor) if self.monitor else None,
+        }
+
+    def _position(self, state, row, end) -> dict:
+        spe = self.run.steps_per_epoch
+        step = int(state.step)
+        complete = step % spe == 0
+        epoch = step // spe if complete else int(state.epoch)
+        return {
+            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "step": step,
+            "epoch": epoch,
+            "epoch_complete": complete,
+            "data_position": {"epoch": epoch, "steps_into_epoch": step % spe,
+                              "batches_into_epoch": (step % spe) * self.run.nitro.settings.accum},
+            "metrics": jsonable(dict(row), strict=False) if row is not None else None,
+            "end": end,
+        }
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_absl(text: str):
+    """Drop absl log records containing ``text`` for the duration of the block."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    log = logging.getLogger("absl")
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
+
+
+class _RunFolder:
+    """The finished checkpoints of one run folder, read with a read-only orbax manager."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.ckpt_dir = path / CHECKPOINTS
+        self._mgr = None
+        self._meta: dict[int, dict] = {}
+
+    @property
+    def mgr(self):
+        if self._mgr is None:
+            ocp = _ocp()
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+            with _quiet_absl("is read only"):  # reading is what we mean: orbax need not warn about it
+                self._mgr = ocp.CheckpointManager(str(self.ckpt_dir.resolve()), options=options)
+        return self._mgr
+
+    @property
+    def steps(self) -> list[int]:
+        if not self.ckpt_dir.is_dir():
+            return []
+        return sorted(self.mgr.all_steps())
+
+    def step_path(self, step: int) -> str:
+        return str(self.ckpt_dir.resolve() / str(step))
+
+    def _read_meta(self, step: int) -> dict:
+        if step not in self._meta:
+            ocp = _ocp()
+            got = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = got["meta"]
+            if not isinstance(meta, dict) or "step" not in meta:
+                raise ValueError("its `meta` item is not a jaxnitro record")
+            self._meta[step] = meta
+        return self._meta[step]
+
+    def meta(self, step: int) -> dict:
+        try:
+            return self._read_meta(step)
+        except Exception as err:  # noqa: BLE001 - any read failure means the checkpoint is damaged
+            raise _Corrupt(self, step, err) from err
+
+    def readable_steps(self, skip: int | None = None) -> list[int]:
+        out = []
+        for s in self.steps:
+            if s == skip:
+                continue
+            try:
+                self._read_meta(s)
+                out.append(s)
+            except Exception:  # noqa: BLE001
+                pass
+        return out
+
+
+class _Corrupt(ValueError):
+    def __init__(self, folder: _RunFolder, step: int, err: Exception):
+        self.folder, self.step, self.err = folder, step, err
+        others = folder.readable_steps(skip=step)
+        hint = (
+            f" The newest complete checkpoint of that run is {folder.step_path(others[-1])}."
+            if others
+            else " That run has no other complete checkpoint."
+        )
+        super().__init__(
+            f"jaxnitro: the checkpoint {folder.step_path(step)} is corrupt or incomplete and cannot be "
+            f"read ({type(err).__name__}: {str(err)[:300]}).{hint} Name a complete one (a path, or "
+            f"(run, step)); nothing was changed on disk."
+        )
+
+
+def _run_key(path: Path):
+    m = _RUN_NAME.match(path.name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def _runs(run_dir) -> list[Path]:
+    """Run folders under ``run_dir`` that hold checkpoints, newest first."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _run_key(p) and (p / CHECKPOINTS).is_dir()]
+    return sorted(found, key=_run_key, reverse=True)
+
+
+def _inventory(run_dir) -> str:
+    root = Path(run_dir).resolve()
+    if not root.is_dir():
+        return f"run_dir {str(root)!r} does not exist"
+    lines = []
+    for p in sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name)[-12:]:
+        steps = _RunFolder(p).steps if (p / CHECKPOINTS).is_dir() else []
+        lines.append(f"  {p.name}: " + (f"checkpoints at steps {steps}" if steps else "no checkpoints"))
+    return f"run_dir {str(root)!r} holds:\n" + ("\n".join(lines) if lines else "  nothing")
+
+
+def _not_found(what: str, run_dir) -> NoCheckpointError:
+    return NoCheckpointError(
+        f"jaxnitro: {what}. {_inventory(run_dir)}\nName a checkpoint folder (…/checkpoints/<step>), a "
+        f"run folder, or a pair such as ('latest', 'best'), ('<run folder name>', <step>)."
+    )
+
+
+def _short(spec) -> str:
+    text = repr(spec)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _parse(spec, run_dir, purpose):
+    """``(run folder path, which)`` with ``which`` one of "last", "best", "resume", a step, an Average;
+    or ``(None, step path)`` for a checkpoint folder."""
+    if isinstance(spec, Average):
+        return _latest(run_dir, spec), spec
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if purpose == "resume" and text == "auto":
+            return _latest(run_dir, spec), "resume"
+        path = Path(text)
+        if text == "latest" and not path.exists():  # the newest run's newest checkpoint
+            return _latest(run_dir, spec), "resume" if purpose == "resume" else "last"
+        if not path.exists() and not path.is_absolute() and len(path.parts) == 1:
+            path = Path(run_dir) / text  # a run folder's name
+        if _TMP in path.name:
+            return None, path
+        if not path.exists():
+            raise _not_found(f"`{purpose}={_short(spec)}` does not exist", run_dir)
+        if (path / CHECKPOINTS).is_dir():
+            return path, "resume" if purpose == "resume" else "last"
+        if path.name == CHECKPOINTS:
+            return path.parent, "resume" if purpose == "resume" else "last"
+        return None, path
+    if isinstance(spec, tuple) and len(spec) == 2:
+        run, which = spec
+        if run == "latest":
+            folder = _latest(run_dir, spec)
+        elif isinstance(run, (str, os.PathLike)):
+            folder = Path(os.fspath(run))
+            if not folder.exists() and len(folder.parts) == 1:
+                folder = Path(run_dir) / folder
+            if not (folder / CHECKPOINTS).is_dir():
+                raise _not_found(f"run {os.fspath(run)!r} of `{purpose}={_short(spec)}` has no checkpoints", run_dir)
+        else:
+            raise TypeError(
+                f"jaxnitro: `{purpose}={_short(spec)}`: the first element names the run: 'latest', a run "
+                f"folder name, or a path."
+            )
+        if isinstance(which, bool) or not (which in ("best", "last") or isinstance(which, (int, np.integer, Average))):
+            raise TypeError(
+                f"jaxnitro: `{purpose}={_short(spec)}`: the second element names the checkpoint: 'best', "
+                f"'last', a step number, or jn.Average(jn.Last(n)) / jn.Average(jn.Best(n))."
+            )
+        return folder, which
+    raise TypeError(
+        f"jaxnitro: `{purpose}={_short(spec)}` is not a checkpoint spec. Give a checkpoint path, a run "
+        f"folder, a pair such as ('latest', 'best'), ('latest', 'last'), ('latest', <step>), "
+        f"('latest', jn.Average(jn.Last(10))), or another Nitro to warm-start from."
+    )
+
+
+def _latest(run_dir, spec) -> Path:
+    runs = [p for p in _runs(run_dir) if _RunFolder(p).steps]
+    if not runs:
+        raise _not_found(f"no run under run_dir has a checkpoint (looked for `{_short(spec)}`)", run_dir)
+    return runs[0]
+
+
+def _checkpoint_folder(path: Path, run_dir):
+    """``(run folder, step)`` of an explicit checkpoint folder; refuses an incomplete one."""
+    ckpt_dir = path.parent
+    folder = _RunFolder(ckpt_dir.parent)
+    if _TMP in path.name or not path.name.isdigit() or int(path.name) not in folder.steps:
+        complete = folder.readable_steps() if ckpt_dir.is_dir() else []
+        hint = (
+            f" The newest complete checkpoint there is {folder.step_path(complete[-1])}."
+            if complete
+            else f" {_inventory(run_dir)}"
+        )
+        raise ValueError(
+            f"jaxnitro: {str(path)!r} is not a complete checkpoint (a save cut short leaves a folder named "
+            f"'<step>{_TMP}-…'; a complete one is named by its step and listed by orbax).{hint}"
+        )
+    return folder, int(path.name)
+
+
+def _value(meta, name):
+    metrics = from_jsonable(meta.get("metrics") or {})
+    v = metrics.get(name)
+    return float(v) if isinstance(v, (int, float, np.number)) and math.isfinite(float(v)) else None
+
+
+def _select(folder: _RunFolder, which, monitor, purpose, spec, run_dir) -> list[int]:
+    """The steps ``which`` selects in ``folder`` (several for an average), oldest first."""
+    steps = folder.steps
+    if not steps:
+        raise _not_found(f"run {folder.path.name!r} has no complete checkpoint", run_dir)
+    if isinstance(which, (int, np.integer)):
+        if int(which) not in steps:
+            raise _not_found(f"run {folder.path.name!r} has no checkpoint at step {int(which)} (it has {steps})", run_dir)
+        return [int(which)]
+    if which in ("last", "resume"):
+        for s in reversed(steps):
+            meta = folder.meta(s)
+            if meta.get("end") == "diverged":
+                continue
+            if which == "resume" and not meta.get("epoch_complete", True):
+                continue
+            return [s]
+        raise _not_found(f"run {folder.path.name!r} has no checkpoint to {'resume' if which == 'resume' else 'load'} "
+                         f"(only diverged or mid-epoch ones)", run_dir)
+    policy = which.of if isinstance(which, Average) else which
+    if isinstance(policy, Last):
+        ends = [s for s in steps if folder.meta(s).get("end") is None]
+        chosen = ends[-policy.n :]
+    else:
+        n = policy.n if isinstance(policy, Best) else 1
+        name, mode = _monitor_of(folder, steps, monitor, spec)
+        scored = [(v, s) for s in steps if folder.meta(s).get("end") is None and (v := _value(folder.meta(s), name)) is not None]
+        if not scored:
+            recorded = sorted({k for s in steps for k in (folder.meta(s).get("metrics") or {})} - {"epoch", "step"})
+            raise ValueError(
+                f"jaxnitro: `{purpose}={_short(spec)}` ranks by {name!r} ({mode}), but no checkpoint of run "
+                f"{folder.path.name!r} recorded it (its checkpoints recorded {recorded or 'no metrics'}: a "
+                f"run without a `val` split records only train_loss). Name a checkpoint with "
+                f"('latest', 'last') or a step, or train with a `val` split that reports {name!r}."
+            )
+        scored.sort(key=lambda vs: (vs[0] if mode == "max" else -vs[0], vs[1]))
+        chosen = sorted(s for _, s in scored[-n:])
+    if not chosen:
+        raise ValueError(
+            f"jaxnitro: `{purpose}={_short(spec)}` selects no checkpoint in run {folder.path.name!r} (it "
+            f"has {len(steps)}, none at an epoch's end): an average needs at least one."
+        )
+    return chosen
+
+
+def _monitor_of(folder, steps, monitor, spec):
+    if monitor is not None:
+        return monitor
+    for s in reversed(steps):
+        saved = folder.meta(s).get("monitor")
+        if saved:
+            return tuple(saved)
+    raise ValueError(
+        f"jaxnitro: {_short(spec)} asks for the best checkpoint, but neither the experiment (no `monitor` "
+        f"hook) nor the checkpoints say which metric ranks them. Define `monitor`, or name a checkpoint "
+        f"with ('latest', 'last') or a step."
+    )
+
+
+def _describe(folder: _RunFolder, steps, which, meta, monitor) -> str:
+    step = steps[-1]
+    epoch = meta.get("epoch")
+    where = f"run {folder.path.name} ({folder.path.parent})"
+    if len(steps) > 1 or isinstance(which, Average):
+        policy = which.of if isinstance(which, Average) else which
+        label = f"Last({policy.n})" if isinstance(policy, Last) else f"Best({policy.n})"
+        epochs = [folder.meta(s).get("epoch") for s in steps]
+        return f"average of {len(steps)} checkpoints ({label}: epochs {epochs}) of {where}"
+    what = f"checkpoint step {step} (epoch {epoch}"
+    if which == "best" and monitor is not None:
+        what += f", best {monitor[0]}={_value(meta, monitor[0]):.6g}"
+    elif meta.get("end"):
+        what += f", saved as the run ended {meta['end']}"
+    return what + f") of {where}"
+
+
+def _restore_fn(folder: _RunFolder, steps: list[int]):
+    def read(step, wanted):
+        ocp = _ocp()
+        wanted = dict(wanted)
+        restore = ocp.args.PyTreeRestore(  # only the subtrees asked for: no optimizer state to serve
+            item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted), partial_restore=True
+        )
+        try:
+            got = folder.mgr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        except Exception as err:  # noqa: BLE001
+            raise _Corrupt(folder, step, err) from err
+        return {item: jax.tree_util.tree_map(jnp.asarray, got[item]) for item in wanted}
+
+    def restore(wanted):
+        newest = read(steps[-1], wanted)
+        if len(steps) == 1:
+            return newest
+        averaged = dict(newest)
+        for item in ("params", "ema"):
+            if item not in wanted:
+                continue
+            trees = [newest[item]] + [read(s, {item: wanted[item]})[item] for s in steps[:-1]]
+            averaged[item] = jax.tree_util.tree_map(  # on the host: no program per leaf shape
+                lambda *xs: jnp.asarray(np.mean([np.asarray(x, np.float64) for x in xs], axis=0).astype(xs[0].dtype)),
+                *trees,
+            )
+        return averaged
+
+    return restore
+
+
+@hookimpl(trylast=True)
+def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
+    """Find the checkpoint(s) ``spec`` names under ``run_dir``; describe them as a WeightsRecord."""
+    folder_path, which = _parse(spec, run_dir, purpose)
+    if folder_path is None:  # an explicit checkpoint folder
+        folder, step = _checkpoint_folder(Path(which), run_dir)
+        steps, which = [step], "path"
+    elif spec == "auto":  # the newest run that has a checkpoint to continue from
+        for path in _runs(run_dir):
+            folder = _RunFolder(path)
+            try:
+                steps = _select(folder, which, monitor, purpose, spec, run_dir)
+                break
+            except NoCheckpointError:
+                continue
+        else:
+            raise _not_found("no run under run_dir has a checkpoint to continue from", run_dir)
+    else:
+        folder = _RunFolder(folder_path)
+        steps = _select(folder, which, monitor, purpose, spec, run_dir)
+    meta = folder.meta(steps[-1])
+    items = tuple(i for i in meta.get("items", ("params",)) if i != "meta")
+    if len(steps) > 1:  # the average's items must be in every checkpoint
+        for s in steps[:-1]:
+            items = tuple(i for i in items if i in folder.meta(s).get("items", ()))
+    # a run continues its folder unless a later checkpoint it could have continued from exists
+    # (a mid-epoch or diverged one is a dead end that the continued run supersedes)
+    later = [s for s in folder.steps if s > steps[-1]]
+    continues = all(not folder.meta(s).get("epoch_complete", True) or folder.meta(s).get("end") == "diverged" for s in later)
+    return WeightsRecord(
+        source=_describe(folder, steps, which, meta, monitor),
+        path=folder.step_path(steps[-1]),
+        run_folder=str(folder.path.resolve()),
+        metadata=meta,
+        items=items,
+        restore=_restore_fn(folder, steps),
+        newest_in_run=continues,
+    )

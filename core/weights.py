@@ -1,0 +1,489 @@
+"""Weights that enter a handle from elsewhere: checkpoint records, warm starts, resume; EMA.
+
+``Nitro(e, weights=..., resume=..., w0=..., restore_optimizer=..., restore_best=...)``:
+
+* ``weights=`` another ``Nitro`` is a warm start (``setup._warm_start``); any other
+  value names checkpoints, which a plugin finds through the ``jaxnitro_load_weights``
+  extension hook (the ``orbax`` checkpointer answers it) and describes with a
+  :class:`WeightsRecord`. The core checks the record against the experiment (class,
+  GraphConst values, the parameter tree) before a single array is read, then asks
+  the record to restore exactly what the handle needs: params and model state
+  for ``weights=``, also the optimizer state and the EMA for ``resume=``. A handle
+  without a train split never allocates optimizer state.
+* Values a record carries as JSON (``derive``'s results, GraphConst values) go through
+  :func:`jsonable` / :func:`from_jsonable`, shared by the core and the plugins.
+
+The core never imports a checkpointer: a record is all they share.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "EMA",
+    "WeightsRecord",
+    "NoCheckpointError",
+    "jsonable",
+    "from_jsonable",
+    "tree_listing",
+    "tree_diff",
+    "abstract",
+]
+
+
+# -- EMA ---------------------------------------------------------------------------------
+
+
+def _check_decay(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0.0 < float(value) < 1.0:
+        raise ValueError(
+            f"jaxnitro: EMA(decay={value!r}); the decay must be a number strictly between 0 and 1 "
+            f"(0.999 averages over about the last 1000 steps)."
+        )
+
+
+@attrs.frozen
+class EMA:
+    """``ema=jn.EMA(decay=0.999)``: keep an exponential moving average of the parameters.
+
+    After each optimizer step, inside the train-step program (no extra dispatch):
+    ``ema = ema + (1 - decay) * (params - ema)``, starting from the initial params.
+    Validation, evaluation, prediction, the monitored metric and ``nitro.model`` use
+    the average; checkpoints hold it and ``resume`` restores it. The decay is an
+    input of the program: another decay compiles nothing.
+    """
+
+    decay: float = attrs.field(default=0.999, validator=_check_decay, converter=float)
+
+
+def check_ema_knob(value, source: str):
+    """The ``ema`` knob: None or an object with a ``decay`` in (0, 1); returns the decay or None."""
+    if value is None:
+        return None
+    decay = getattr(value, "decay", None)
+    if decay is None or isinstance(decay, bool) or not isinstance(decay, (int, float, np.floating)) or not 0 < decay < 1:
+        raise ValueError(
+            f"jaxnitro: run knob `ema` = {value!r} ({source}); give jn.EMA(decay=0.999) (a decay "
+            f"strictly between 0 and 1), or None for no moving average."
+        )
+    return float(decay)
+
+
+# -- records ---------------------------------------------------------------------------------
+
+
+class NoCheckpointError(FileNotFoundError):
+    """Raised by a ``jaxnitro_load_weights`` implementation when nothing matches the spec."""
+
+
+@dataclass(frozen=True)
+class WeightsRecord:
+    """One checkpoint (or an average of several) as the core sees it, before any array is read.
+
+    - ``source``: where the weights come from, in words (``print(nitro)`` shows it);
+    - ``path``: the checkpoint folder (the newest one, for an average);
+    - ``run_folder``: the run folder it belongs to, or None;
+    - ``newest_in_run``: whether its run has no later checkpoint a run could continue from
+      (a resume then continues that run's folder; otherwise it branches into a new one);
+    - ``items``: the saved trees: ``"params"``, and any of ``"model_state"``,
+      ``"opt_state"`` (the optimizer rules' state, without the EMA), ``"ema"``;
+    - ``metadata``: the decoded JSON record: ``experiment`` (``module``, ``qualname``),
+      ``graph_const`` and ``derived`` (:func:`jsonable` values), ``tree`` (``{"params":
+      tree_listing}``), ``step``, ``epoch``, ``epoch_complete``, ``steps_per_epoch``,
+      ``rng`` (``{"data": [...], "dtype": ...}``), ``metrics``, ``seed``, ``end``;
+    - ``restore``: ``restore({item: abstract tree}) -> {item: tree}`` reads the named
+      items into those structures (:func:`abstract`); an average averages ``params``
+      and ``ema`` and takes the rest from its newest checkpoint.
+    """
+
+    source: str
+    path: str
+    run_folder: str | None
+    metadata: Mapping
+    items: tuple[str, ...]
+    restore: Callable[[Mapping], dict]
+    newest_in_run: bool = True
+
+
+# -- JSON-able values ---------------------------------------------------------------------
+
+
+def jsonable(value, *, strict: bool = True):
+    """``value`` as JSON-able data that :func:`from_jsonable` turns back.
+
+    None, bools, numbers, strings, lists, tuples, dicts with string keys, NumPy and JAX
+    arrays and scalars. Anything else raises ``TypeError`` (``strict``) or becomes
+    ``{"__unrecorded__": type name, "repr": ...}``.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, np.generic):
+        return jsonable(value.item(), strict=strict)
+    if isinstance(value, (np.ndarray, jax.Array)):
+        arr = np.asarray(value)
+        if arr.dtype.kind in "biuf":
+            return {"__array__": arr.tolist(), "dtype": str(arr.dtype), "shape": list(arr.shape)}
+    elif isinstance(value, tuple):
+        return {"__tuple__": [jsonable(v, strict=strict) for v in value]}
+    elif isinstance(value, list):
+        return [jsonable(v, strict=strict) for v in value]
+    elif isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: jsonable(v, strict=strict) for k, v in value.items()}
+    if strict:
+        raise TypeError(f"{type(value).__name__} is not recordable as JSON")
+    return {"__unrecorded__": type(value).__name__, "repr": repr(value)[:200]}
+
+
+def from_jsonable(data):
+    """The value :func:`jsonable` recorded (an unrecorded value comes back as its marker dict)."""
+    if isinstance(data, list):
+        return [from_jsonable(v) for v in data]
+    if isinstance(data, dict):
+        if "__array__" in data:
+            arr = np.asarray(data["__array__"], dtype=data["dtype"])
+            return arr.reshape(data["shape"])
+        if "__tuple__" in data:
+            return tuple(from_jsonable(v) for v in data["__tuple__"])
+        if "__float__" in data:
+            return float(data["__float__"])
+        if "__unrecorded__" in data:
+            return data
+        return {k: from_jsonable(v) for k, v in data.items()}
+    return data
+
+
+def _canonical(value) -> str:
+    return json.dumps(jsonable(value, strict=False), sort_keys=True)
+
+
+# -- trees ------------------------------------------------------------------------------------
+
+
+def tree_listing(tree) -> dict[str, list]:
+    """``{keystr(path): [shape, dtype]}`` for each array leaf of ``tree``."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out[jax.tree_util.keystr(path)] = [list(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__))]
+    return out
+
+
+def tree_diff(ours: Mapping, theirs: Mapping) -> list[str]:
+    """Lines naming each leaf whose shape differs (or that one side lacks), from two
+    :func:`tree_listing` results (dtypes are not compared: a restore casts)."""
+
+    def shape(listing, name):
+        entry = listing.get(name)
+        return "missing" if entry is None else tuple(entry[0])
+
+    return [
+        f"{name}: this model {shape(ours, name)}, weights {shape(theirs, name)}"
+        for name in sorted(set(ours) | set(theirs))
+        if shape(ours, name) != shape(theirs, name)
+    ]
+
+
+def tree_diff_error(diff: list[str], fix: str, graph_note: str = "") -> ValueError:
+    """The refusal of weights whose tree differs from the model's: the diff, then ``fix``."""
+    return ValueError(
+        "jaxnitro: `weights=` come from a model with a different tree; leaves that differ:\n  "
+        + "\n  ".join(diff)
+        + graph_note
+        + "\n"
+        + fix
+    )
+
+
+def abstract(tree):
+    """``tree`` with every array leaf replaced by its ``jax.ShapeDtypeStruct`` (what restores fill)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+# -- the keywords -------------------------------------------------------------------------------
+
+
+def is_handle(value) -> bool:
+    """A ``Nitro`` (duck-typed: the core's handle module imports this one)."""
+    from .state import TrainState
+
+    return isinstance(getattr(value, "state", None), TrainState) and hasattr(value, "experiment")
+
+
+def check_keywords(kwargs: dict) -> None:
+    """Refuse contradictory or meaningless combinations of the weight keywords."""
+    weights, resume = kwargs.get("weights"), kwargs.get("resume", False)
+    w0 = kwargs.get("w0")
+    if weights is not None and resume not in (None, False):
+        raise ValueError(
+            f"jaxnitro: `weights={_short(weights)}` and `resume={resume!r}` were both given; they are "
+            f"two answers to where the parameters come from. `resume` continues a run (its optimizer "
+            f"state, step count and run folder); `weights` starts a new run from those weights. "
+            f"Pass one of them."
+        )
+    if w0 not in (None, "build_model", "weights"):
+        raise ValueError(
+            f"jaxnitro: `w0={w0!r}`; it must be 'build_model' (the default: `decay_anchor = 'w0'` "
+            f"groups decay toward build_model's initial weights) or 'weights' (toward the weights "
+            f"given with `weights=`)."
+        )
+    if w0 == "weights" and weights is None:
+        raise ValueError(
+            "jaxnitro: `w0='weights'` anchors L2-SP decay to the transferred weights, but no "
+            "`weights=` was given. Pass `weights=` (a checkpoint, ('latest', 'best'), another Nitro), "
+            "or drop `w0`."
+        )
+    restore_best = kwargs.get("restore_best", False)
+    restore_optimizer = kwargs.get("restore_optimizer", True)
+    for name, value in (("restore_best", restore_best), ("restore_optimizer", restore_optimizer)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"jaxnitro: `{name}={value!r}`; it must be True or False.")
+    if resume in (None, False):
+        for name, value, default in (("restore_best", restore_best, False), ("restore_optimizer", restore_optimizer, True)):
+            if bool(value) != default:
+                raise ValueError(
+                    f"jaxnitro: `{name}={value!r}` refines `resume`, but no `resume=` was given, so it "
+                    f"would be silently ignored. Pass `resume='auto'` (or a checkpoint path) with it, "
+                    f"or drop it."
+                )
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def find_record(e, kwargs: dict, run_dir: str, monitor):
+    """The :class:`WeightsRecord` that ``weights=`` or ``resume=`` names (None: neither,
+    a warm start from another handle, or ``resume="auto"`` finding nothing, with a warning).
+
+    Raises, naming the plugin, when no loaded plugin reads the spec.
+    """
+    from .plugin_manager import disabled_note, first_result
+
+    weights, resume = kwargs.get("weights"), kwargs.get("resume", False)
+    if weights is not None:
+        if is_handle(weights):
+            return None
+        spec, purpose, keyword = weights, "weights", "weights"
+    elif resume not in (None, False):
+        if resume is True or resume == "auto":
+            spec = ("latest", "best") if kwargs.get("restore_best") else "auto"
+        else:
+            spec = resume
+            if kwargs.get("restore_best"):
+                raise ValueError(
+                    f"jaxnitro: `restore_best=True` picks the best checkpoint of the run `resume` finds, "
+                    f"but `resume={_short(resume)}` already names one checkpoint. Use `resume='auto', "
+                    f"restore_best=True`, or name the checkpoint you want."
+                )
+        purpose, keyword = "resume", "resume"
+    else:
+        return None
+    try:
+        record = first_result(
+            "jaxnitro_load_weights", spec=spec, run_dir=run_dir, experiment=e, monitor=monitor, purpose=purpose
+        )
+    except NoCheckpointError as err:
+        if purpose == "resume" and (resume is True or resume == "auto"):
+            warnings.warn(
+                f"jaxnitro: resume='auto' found no checkpoint to continue ({err}); starting a fresh run.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        raise
+    if record is None:
+        raise ValueError(
+            f"jaxnitro: `{keyword}={_short(spec)}` names checkpoints, but no loaded plugin reads "
+            f"checkpoints (the `jaxnitro_load_weights` hook; the built-in `orbax` checkpointer plugin "
+            f"answers it){disabled_note()}. Install or enable that plugin, or warm-start from a "
+            f"handle with `weights=<another Nitro>`."
+        )
+    if not isinstance(record, WeightsRecord):
+        raise TypeError(
+            f"jaxnitro: a plugin answered `jaxnitro_load_weights` with {type(record).__name__}; it "
+            f"must return a jaxnitro.weights.WeightsRecord."
+        )
+    check_class(e, record)
+    return record
+
+
+def check_class(e, record: WeightsRecord) -> None:
+    """Refuse a record saved by another experiment class (compared by ``__qualname__``)."""
+    saved = record.metadata.get("experiment", {})
+    cls = type(e)
+    # by qualified name: a script's class is `__main__.X` when it saves and `script.X` when a
+    # notebook imports it; the tree and GraphConst checks still apply
+    if cls.__qualname__ != saved.get("qualname"):
+        ours = f"{cls.__module__}.{cls.__qualname__}"
+        theirs = f"{saved.get('module', '?')}.{saved.get('qualname', '?')}"
+        raise ValueError(
+            f"jaxnitro: the checkpoint {record.path} was saved by experiment class `{theirs}`, not "
+            f"`{ours}`; its weights, derived values and GraphConst values belong to that experiment. "
+            f"Build the handle with a `{saved.get('qualname', '?')}` instance, or, to start this "
+            f"experiment from those weights, load them with that class and warm-start from its "
+            f"handle (`weights=<that Nitro>`)."
+        )
+
+
+def derived_values(e, record: WeightsRecord) -> dict:
+    """The derived values a record carries, decoded, as ``{field: value}`` for ``attrs.evolve``."""
+    from .experiment import fields_of
+
+    saved = from_jsonable(record.metadata.get("derived") or {})
+    fields = fields_of(e)
+    unknown = [n for n in saved if n not in fields]
+    if unknown:
+        raise ValueError(
+            f"jaxnitro: the checkpoint {record.path} carries derived values for {unknown}, which are "
+            f"not fields of {type(e).__name__}; it was saved by another version of the class."
+        )
+    lost = [n for n, v in saved.items() if isinstance(v, dict) and "__unrecorded__" in v]
+    if lost:
+        warnings.warn(
+            f"jaxnitro: the checkpoint {record.path} could not record the derived values {lost} "
+            f"(not JSON-able); they keep the experiment's own values, since `derive` is skipped.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return {n: v for n, v in saved.items() if n not in lost}
+
+
+def check_tree_and_graph(e, params, record: WeightsRecord) -> None:
+    """Refuse a record whose parameter tree or GraphConst values differ from this experiment's."""
+    from .experiment import fields_of
+
+    graph = {n: getattr(e, n) for n, i in fields_of(e).items() if i.is_graph_const}
+    saved_graph = record.metadata.get("graph_const") or {}
+    differing = [
+        n
+        for n in sorted(set(graph) | set(saved_graph))
+        if n not in graph or n not in saved_graph or _canonical(graph[n]) != json.dumps(saved_graph[n], sort_keys=True)
+    ]
+    graph_diff = [
+        f"{n}: this experiment {graph.get(n, 'missing')!r}, checkpoint "
+        f"{from_jsonable(saved_graph[n]) if n in saved_graph else 'missing'!r}"
+        for n in differing
+    ]
+    theirs = (record.metadata.get("tree") or {}).get("params") or {}
+    diff = tree_diff(tree_listing(params), theirs)
+    if diff:
+        note = ("\nGraphConst values that differ: " + "; ".join(graph_diff)) if graph_diff else ""
+        raise tree_diff_error(
+            diff,
+            f"The checkpoint is {record.path}. Build the experiment with the GraphConst values it was "
+            f"trained with, or train this one without `weights=`.",
+            note,
+        )
+    if graph_diff:
+        raise ValueError(
+            f"jaxnitro: the checkpoint {record.path} was saved with other GraphConst values (structural: "
+            "they define the compiled graph): " + "; ".join(graph_diff) + ". Build the experiment with "
+            "the checkpoint's values (" + ", ".join(f"{n}=..." for n in differing) + "), or start "
+            "without these weights."
+        )
+
+
+def restore_items(record: WeightsRecord, wanted: dict) -> dict:
+    """``record.restore(wanted)``, turning a read failure into an error naming the checkpoint."""
+    try:
+        return record.restore(wanted)
+    except (ValueError, TypeError) as err:
+        if str(err).startswith("jaxnitro:"):
+            raise
+        raise ValueError(
+            f"jaxnitro: could not read {sorted(wanted)} from the checkpoint {record.path}: {err}"
+        ) from err
+
+
+def install_weights(state, plan, record: WeightsRecord):
+    """``weights=<record>``: its params (its EMA when it kept one) and model state; step 0,
+    fresh optimizer (built later)."""
+    item = "ema" if "ema" in record.items else "params"
+    wanted = {item: abstract(state.params)}
+    if state.model_state is not None and "model_state" in record.items:
+        wanted["model_state"] = abstract(state.model_state)
+    got = restore_items(record, wanted)
+    params = jax.tree_util.tree_map(jnp.asarray, got[item])
+    model_state = got.get("model_state", state.model_state)
+    plan.weights_from = record.source + (" (its EMA weights)" if item == "ema" else "")
+    plan.weights_meta = dict(record.metadata)
+    return state.replace(params=params, model_state=model_state)
+
+
+def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
+    """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
+    epoch and PRNG key from the record; the optimizer state must already be built
+    (its structure is the restore target)."""
+    from .optim import EmaState, join_ema, rule_state_of, split_ema
+    from .state import ResumePoint
+
+    meta = record.metadata
+    if not meta.get("epoch_complete", True):
+        raise ValueError(
+            f"jaxnitro: the checkpoint {record.path} was saved in the middle of epoch {meta.get('epoch')} "
+            f"(step {meta.get('step')}, at an {meta.get('end') or 'interrupted'} end); a run continues "
+            f"from an epoch's end. Resume from the run's newest epoch-end checkpoint (`resume='auto'` "
+            f"picks it), or take only its weights with `weights=`."
+        )
+    saved_spe = meta.get("steps_per_epoch")
+    if steps_per_epoch is not None and saved_spe is not None and saved_spe != steps_per_epoch:
+        raise ValueError(
+            f"jaxnitro: the checkpoint {record.path} was saved by a run with {saved_spe} optimizer "
+            f"steps per epoch; this handle has {steps_per_epoch} (another train split or `accum`). A "
+            f"resumed run must read the same data in the same order; use `weights=` to start a new "
+            f"run from these weights instead."
+        )
+    wanted = {"params": abstract(state.params)}
+    if state.model_state is not None and "model_state" in record.items:
+        wanted["model_state"] = abstract(state.model_state)
+    rules, ema = split_ema(state.opt_state, plan.opt_spec) if state.opt_state is not None else (None, None)
+    if rules is not None and restore_optimizer and "opt_state" in record.items:
+        wanted["opt_state"] = abstract(rules)
+    if ema is not None and "ema" in record.items:
+        wanted["ema"] = abstract(state.params)
+    try:
+        got = restore_items(record, wanted)
+    except ValueError as err:
+        if "opt_state" in wanted:
+            raise ValueError(
+                f"{err}\nIf the optimizer changed since the checkpoint was saved (rules, groups, "
+                f"`decay_anchor`), resume with `restore_optimizer=False` for a fresh optimizer state."
+            ) from err
+        raise
+    params = jax.tree_util.tree_map(jnp.asarray, got["params"])
+    opt_state = state.opt_state
+    if opt_state is not None:
+        rules = got.get("opt_state", rule_state_of(opt_state))
+        if ema is not None:
+            ema = EmaState(got["ema"] if "ema" in got else jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params))
+        opt_state = join_ema(rules, ema, plan.opt_spec)
+    rng = state.rng
+    if meta.get("rng"):
+        rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
+    step, epoch = int(meta["step"]), int(meta["epoch"])
+    plan.resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run))
+    optimizer = "" if "opt_state" in got or opt_state is None else ", fresh optimizer state"
+    plan.weights_from = f"resumed from {record.source}{optimizer}"
+    plan.weights_meta = dict(record.metadata)
+    return state.replace(
+        params=params,
+        model_state=got.get("model_state", state.model_state),
+        opt_state=opt_state,
+        step=step,
+        epoch=epoch,
+        rng=rng,
+    )

@@ -1,0 +1,77 @@
+"""A training process that kills itself with SIGKILL (used by test_checkpoint_crash.py).
+
+``python crash_child.py <run_dir> mid-epoch|mid-save`` trains :class:`Crashed` for 4 epochs
+with the checkpointer on, and dies (no cleanup, no finish) either while reading the 4th
+batch of epoch 3, or in the middle of epoch 2's save (while orbax writes its record into
+the checkpoint's temporary folder). The class lives here so that the test process and the child agree on it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import jaxnitro as jn
+from tiny import Tiny, tiny_data
+
+KEEP = (1,)  # jn.Last(1): every epoch's save replaces the previous one
+
+
+@jn.experiment
+class Crashed(Tiny):
+    def monitor(self):
+        return ("loss", "min")
+
+
+class KillingSource:
+    """The train split, index-addressable; SIGKILLs the process at (epoch, batch) ``at``."""
+
+    def __init__(self, batches, at=None):
+        self.batches, self.at, self.epoch = batches, at, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return (self.batch_at(i) for i in range(len(self)))
+
+    def begin_epoch(self, epoch):
+        self.epoch = epoch
+
+    def batch_at(self, i):
+        if self.at == (self.epoch, i):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.at is not None:
+            time.sleep(0.03)  # epochs long enough for the previous epoch's save to complete
+        return self.batches[i]
+
+
+def data(at=None):
+    d = tiny_data()
+    return {"train": KillingSource(d["train"], at), "val": d["val"]}
+
+
+def checkpointer():
+    return jn.Checkpointer(keep=jn.Last(*KEEP))
+
+
+def main(run_dir: str, how: str) -> None:
+    at = (3, 3) if how == "mid-epoch" else None  # the 4th batch of epoch 3
+    if how == "mid-save":
+        import orbax.checkpoint as ocp
+
+        save = ocp.JsonCheckpointHandler.async_save
+
+        async def die_while_saving(self, directory, item=None, args=None):
+            if args is not None and args.item.get("step") == 12:  # epoch 2's record, in its temporary folder
+                os.kill(os.getpid(), signal.SIGKILL)
+            return await save(self, directory, item, args)
+
+        ocp.JsonCheckpointHandler.async_save = die_while_saving
+    jn.train(Crashed(), data=data(at), run_dir=run_dir, max_epochs=4, checkpointer=checkpointer())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
