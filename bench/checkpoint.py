@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "mnist"))
 
 import jaxnitro as jn  # noqa: E402
-from mnist_data import BatchSource, one_hot  # noqa: E402
+from mnist_data import one_hot  # noqa: E402
 from mnist_tutorial import BATCH, MnistMLP  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def full_size_data(n_train: int = 55_000, n_val: int = 5_000) -> dict:
     x = rng.random((n_train + n_val, 784), dtype=np.float32)
 
     def part(sl, **kw):
-        return BatchSource({"img": x[sl], "label": one_hot(y[sl]), "digit": y[sl]}, BATCH, **kw)
+        return jn.ArraySource({"img": x[sl], "label": one_hot(y[sl]), "digit": y[sl]}, batch_size=BATCH, **kw)
 
     return {"train": part(slice(0, n_train), shuffle=True, drop_last=True, seed=0), "val": part(slice(n_train, None))}
 

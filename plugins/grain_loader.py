@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import structlog
 
 from jaxnitro.hookspecs import hookimpl
+from jaxnitro.sources import as_batch, check_fields
 from jaxnitro.prefetch.contract import check_epoch
 
 __all__ = ["GrainSource", "GrainStream"]
@@ -61,30 +62,14 @@ def _grain():
     return grain
 
 
+_FIX = "make the pipeline yield dicts (`.map(lambda r: {'x': r[0], 'label': r[1]})`), or name the parts: jn.GrainSource(ds, fields=('x', 'label'))"
+
+
 def _as_batch(value: Any, fields: Sequence[str] | None, what: str) -> dict:
     """A grain element as a jaxnitro batch: a dict of NumPy arrays."""
-    if isinstance(value, Mapping):
-        return {str(k): np.asarray(v) for k, v in value.items()}
-    if fields is not None and isinstance(value, (tuple, list)):
-        if len(value) != len(fields):
-            raise ValueError(
-                f"{what} has {len(value)} parts but fields={tuple(fields)} names {len(fields)}"
-            )
-        return {name: np.asarray(v) for name, v in zip(fields, value)}
-    shape = f" of {len(value)}" if isinstance(value, (tuple, list)) else ""
-    raise TypeError(
-        f"{what} is a {type(value).__name__}{shape}, not a dict; a jaxnitro batch is a dict "
-        f"{{field: array}}. Fix: make the pipeline yield dicts (`.map(lambda r: {{'x': r[0], "
-        f"'label': r[1]}})`), or name the parts: jn.GrainSource(ds, fields=('x', 'label'))"
-    )
+    return as_batch(value, fields, what, _FIX, np.asarray)
 
 
-def _check_fields(fields: Any) -> tuple[str, ...] | None:
-    if fields is None:
-        return None
-    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
-        raise TypeError(f"fields must be a tuple of field names, got {fields!r}")
-    return tuple(fields)
 
 
 # -- index-addressable: a batched MapDataset ---------------------------------------------
@@ -190,7 +175,7 @@ class GrainSource:
                 raise ValueError(f"GrainSource: workers must be an int >= 0, got {workers!r}")
             self.prefetch_workers = workers
         self.dataset = dataset
-        self.fields = _check_fields(fields)
+        self.fields = check_fields(fields)
         self._len = len(dataset)
         if self._len == 0:
             raise ValueError("GrainSource: the grain.MapDataset has no batches (len 0)")
@@ -355,7 +340,7 @@ class GrainStream:
                 )
             if n == 0:
                 raise ValueError(f"GrainStream: the grain {self.kind} yields no batch")
-        self.dataset, self.fields = dataset, _check_fields(fields)
+        self.dataset, self.fields = dataset, check_fields(fields)
         self._len, self._take = n, batches_per_epoch is not None
         self.prefetch_note = (
             f"grain {self.kind}: not index-addressable, 1 producer; each epoch restarts its iterator"

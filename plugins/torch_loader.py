@@ -26,13 +26,14 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import structlog
 
 from jaxnitro.hookspecs import hookimpl
+from jaxnitro.sources import as_batch, check_fields
 from jaxnitro.prefetch.contract import check_epoch
 
 __all__ = ["DEFAULT_SEED", "TorchSource", "TorchStream"]
@@ -65,28 +66,14 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+_FIX = "return dicts from the dataset's __getitem__ (default_collate keeps them), or name the parts: jn.TorchSource(loader, fields=('x', 'label'))"
+
+
 def _as_batch(value: Any, fields: Sequence[str] | None, what: str) -> dict:
     """A collated torch batch as a jaxnitro batch: a dict of NumPy arrays."""
-    if isinstance(value, Mapping):
-        return {str(k): _to_numpy(v) for k, v in value.items()}
-    if fields is not None and isinstance(value, (tuple, list)):
-        if len(value) != len(fields):
-            raise ValueError(f"{what} has {len(value)} parts but fields={tuple(fields)} names {len(fields)}")
-        return {name: _to_numpy(v) for name, v in zip(fields, value)}
-    shape = f" of {len(value)}" if isinstance(value, (tuple, list)) else ""
-    raise TypeError(
-        f"{what} is a {type(value).__name__}{shape}, not a dict; a jaxnitro batch is a dict "
-        f"{{field: array}}. Fix: return dicts from the dataset's __getitem__ (default_collate "
-        f"keeps them), or name the parts: jn.TorchSource(loader, fields=('x', 'label'))"
-    )
+    return as_batch(value, fields, what, _FIX, _to_numpy)
 
 
-def _check_fields(fields: Any) -> tuple[str, ...] | None:
-    if fields is None:
-        return None
-    if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
-        raise TypeError(f"fields must be a tuple of field names, got {fields!r}")
-    return tuple(fields)
 
 
 def _warn(option: str, message: str, stacklevel: int = 4) -> None:
@@ -171,7 +158,7 @@ class TorchSource:
             raise ValueError(f"TorchSource: seed must be an int >= 0, got {seed!r}")
         gen_seed = _generator_seed(loader)
         self.seed = seed if seed is not None else gen_seed if gen_seed is not None else DEFAULT_SEED
-        self.loader, self.dataset, self.fields = loader, loader.dataset, _check_fields(fields)
+        self.loader, self.dataset, self.fields = loader, loader.dataset, check_fields(fields)
         self.sampler, self.collate_fn = loader.sampler, loader.collate_fn
         bs = loader.batch_sampler
         self.batch_size = None if bs is None else int(bs.batch_size)
@@ -307,7 +294,7 @@ class TorchStream:
                     f"no __len__), and jaxnitro needs the batches per epoch. Fix: define __len__ on "
                     f"the dataset, or pass jn.TorchStream(loader, batches_per_epoch=N)"
                 ) from None
-        self.loader, self.fields = loader, _check_fields(fields)
+        self.loader, self.fields = loader, check_fields(fields)
         self._len, self._take = n, batches_per_epoch is not None
         why = why or _unplannable(loader, data) or "iterated as asked"
         self.prefetch_note = f"torch DataLoader: not index-addressable ({why}); 1 producer"

@@ -13,23 +13,8 @@ import pytest
 
 import jaxnitro as jn
 import jaxnitro.exports
-from jaxnitro.plugin_manager import plugin_manager
 from jaxnitro.plugins import array_source as mod
 from tiny import Tiny, make_arrays
-
-
-@pytest.fixture(autouse=True)
-def plugin():
-    """Register the plugin unless its entry point already loaded it; undo afterwards."""
-    pm = plugin_manager()
-    mine = pm.get_plugin("array_source") is None
-    if mine:
-        pm.register(mod, name="array_source")
-        jaxnitro.exports.forget()
-    yield
-    if mine:
-        pm.unregister(name="array_source")
-        jaxnitro.exports.forget()
 
 
 def fields(n=100, seed=0):

@@ -24,20 +24,6 @@ from tiny import Tiny, make_arrays
 NAME = "grain_loader"
 
 
-@pytest.fixture(autouse=True)
-def plugin():
-    """Register the plugin unless its entry point already loaded it; undo afterwards."""
-    pm = plugin_manager()
-    mine = pm.get_plugin(NAME) is None
-    if mine:
-        pm.register(mod, name=NAME)
-        jaxnitro.exports.forget()
-    yield
-    if mine:
-        pm.unregister(name=NAME)
-        jaxnitro.exports.forget()
-
-
 @pytest.fixture
 def grain():
     return pytest.importorskip("grain", reason="grain is not installed (pip install jaxnitro[grain])")

@@ -2,7 +2,6 @@
 
 import gzip
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -157,99 +156,3 @@ def test_splits():
     np.testing.assert_array_equal(c, x[8:10])
     with pytest.raises(ValueError, match="11"):
         md.splits(x, y, 5, 3, 3)
-
-
-# --------------------------------------------------------------------------- BatchSource
-
-def _source(n=23, bs=5, **kw):
-    fields = {"img": np.arange(n * 4, dtype=np.float32).reshape(n, 4),
-              "label": np.arange(n, dtype=np.int32)}
-    return md.BatchSource(fields, bs, **kw)
-
-
-def test_batch_source_lengths():
-    assert len(_source(23, 5)) == 5
-    assert len(_source(23, 5, drop_last=True)) == 4
-    assert len(_source(25, 5, drop_last=True)) == 5
-    assert len(_source(25, 5)) == 5
-    s = _source(23, 5)
-    assert len(s.batch_at(4)["label"]) == 3
-    assert s.batch_at(4)["img"].shape == (3, 4)
-    with pytest.raises(IndexError):
-        s.batch_at(5)
-
-
-def test_batch_source_unshuffled_is_in_order():
-    s = _source(23, 5)
-    labels = np.concatenate([b["label"] for b in s])
-    np.testing.assert_array_equal(labels, np.arange(23))
-
-
-def test_batch_source_validation():
-    with pytest.raises(ValueError, match="'label'"):
-        md.BatchSource({"img": np.zeros((4, 2)), "label": np.zeros(3)}, 2)
-    with pytest.raises(ValueError, match="batch_size"):
-        md.BatchSource({"img": np.zeros((4, 2))}, 0)
-    with pytest.raises(ValueError):
-        md.BatchSource({}, 2)
-
-
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_batch_source_each_row_once_per_epoch(drop_last):
-    s = _source(25, 5, shuffle=True, drop_last=drop_last)
-    for epoch in range(3):
-        s.begin_epoch(epoch)
-        labels = np.concatenate([s.batch_at(i)["label"] for i in range(len(s))])
-        assert sorted(labels) == list(range(25))
-        # fields stay aligned
-        imgs = np.concatenate([s.batch_at(i)["img"] for i in range(len(s))])
-        np.testing.assert_array_equal(imgs[:, 0], labels * 4)
-
-
-def test_batch_source_shuffle_determinism():
-    def order(seed, epoch):
-        s = _source(23, 5, shuffle=True, seed=seed)
-        s.begin_epoch(epoch)
-        return np.concatenate([s.batch_at(i)["label"] for i in range(len(s))])
-
-    np.testing.assert_array_equal(order(0, 1), order(0, 1))
-    assert not np.array_equal(order(0, 0), order(0, 1))
-    assert not np.array_equal(order(0, 1), order(1, 1))
-    assert not np.array_equal(order(0, 0), np.arange(23))
-
-
-def test_batch_source_iter_matches_batch_at():
-    s = _source(23, 5, shuffle=True, seed=3)
-    s.begin_epoch(2)
-    via_iter = list(s)
-    assert s.epoch == 2 and len(via_iter) == len(s)
-    for i, b in enumerate(via_iter):
-        ref = s.batch_at(i)
-        assert set(b) == {"img", "label"}
-        for k in b:
-            np.testing.assert_array_equal(b[k], ref[k])
-    # A fresh source iterates epoch 0.
-    fresh = _source(23, 5, shuffle=True, seed=3)
-    fresh0 = _source(23, 5, shuffle=True, seed=3)
-    fresh0.begin_epoch(0)
-    for a, b in zip(fresh, [fresh0.batch_at(i) for i in range(len(fresh0))]):
-        np.testing.assert_array_equal(a["label"], b["label"])
-
-
-def test_batch_source_concurrent_reads():
-    s = _source(1000, 10, shuffle=True)
-    s.begin_epoch(5)
-    expected = [s.batch_at(i)["label"] for i in range(len(s))]
-    errors = []
-
-    def read():
-        for i in range(len(s)):
-            if not np.array_equal(s.batch_at(i)["label"], expected[i]):
-                errors.append(i)
-
-    threads = [threading.Thread(target=read) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors

@@ -27,20 +27,6 @@ from tiny import Tiny, make_arrays
 NAME = "torch_loader"
 
 
-@pytest.fixture(autouse=True)
-def plugin():
-    """Register the plugin unless its entry point already loaded it; undo afterwards."""
-    pm = plugin_manager()
-    mine = pm.get_plugin(NAME) is None
-    if mine:
-        pm.register(mod, name=NAME)
-        jaxnitro.exports.forget()
-    yield
-    if mine:
-        pm.unregister(name=NAME)
-        jaxnitro.exports.forget()
-
-
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch", reason="torch is not installed (pip install jaxnitro[torch])")

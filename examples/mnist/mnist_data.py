@@ -1,5 +1,5 @@
-"""Data helpers for the MNIST example: loading, splitting, one-hot labels and
-an index-addressable batch source.
+"""Data helpers for the MNIST example: loading, splitting and one-hot labels (batching is
+``jn.ArraySource``'s job).
 
 This module is plain NumPy and does not import jaxnitro, so it can be used (and
 tested) on its own. Batch dimension is first everywhere: images are
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,6 @@ __all__ = [
     "load_idx_dir",
     "one_hot",
     "splits",
-    "BatchSource",
 ]
 
 
@@ -264,128 +262,3 @@ def splits(images, labels, n_train: int, n_val: int, n_test: int):
 
 # ---------------------------------------------------------------------------
 # Batch source
-
-
-class BatchSource:
-    """Batches over in-memory arrays, addressable by index.
-
-    ``BatchSource({"img": x, "label": y}, 100, shuffle=True, drop_last=True)``
-    yields dicts ``{"img": x[idx], "label": y[idx]}``. It implements the
-    index-addressable source protocol used by jaxnitro's prefetcher:
-
-    * ``len(source)`` -- batches per epoch. The partial final batch is
-      included unless ``drop_last``.
-    * ``begin_epoch(epoch)`` -- fixes the epoch's row order: a permutation
-      drawn from ``np.random.default_rng((seed, epoch))`` if ``shuffle``,
-      else the identity. The same ``(seed, epoch)`` always gives the same
-      order; different epochs give different orders.
-    * ``batch_at(i)`` -- batch ``i`` of the current epoch's order, gathered
-      with one NumPy fancy-index per field (a plain slice when not shuffled,
-      which returns views: do not write into them).
-    * ``iter(source)`` -- re-plans the current epoch (the last one passed to
-      ``begin_epoch``, 0 initially) and yields ``batch_at(0) ...
-      batch_at(len - 1)``. Iterating again repeats the same epoch; call
-      ``begin_epoch`` to move on.
-
-    Thread safety: ``batch_at`` only reads; ``begin_epoch`` replaces the plan
-    with one attribute assignment, so concurrent ``batch_at`` calls each see
-    either the old or the new plan, never a mixture.
-
-    Raises:
-        ValueError: if ``fields`` is empty, a field is not an array with a
-            leading batch axis, fields differ in length (naming the field),
-            or ``batch_size < 1``.
-    """
-
-    prefetch_workers = 0
-    """Gathering a batch from in-memory arrays takes microseconds: producer threads would only
-    contend for the GIL, so jaxnitro's prefetcher produces in the training thread (the step's
-    asynchronous dispatch already overlaps it) and still stages the next batch on the device."""
-
-    def __init__(
-        self,
-        fields: dict[str, np.ndarray],
-        batch_size: int,
-        *,
-        shuffle: bool = False,
-        drop_last: bool = False,
-        seed: int = 0,
-    ):
-        if not fields:
-            raise ValueError("BatchSource: fields is empty; pass {name: array, ...}")
-        if int(batch_size) != batch_size or batch_size < 1:
-            raise ValueError(f"BatchSource: batch_size must be an integer >= 1, got {batch_size!r}")
-        arrays = {}
-        n = None
-        first = None
-        for name, arr in fields.items():
-            arr = np.asarray(arr)
-            if arr.ndim == 0:
-                raise ValueError(
-                    f"BatchSource: field {name!r} is a scalar; every field needs a "
-                    f"leading batch axis"
-                )
-            if n is None:
-                n, first = len(arr), name
-            elif len(arr) != n:
-                raise ValueError(
-                    f"BatchSource: field {name!r} has {len(arr)} rows but field "
-                    f"{first!r} has {n}; all fields must have the same length"
-                )
-            arrays[name] = arr
-        self.fields = arrays
-        self.n_rows = n
-        self.batch_size = int(batch_size)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.seed = seed
-        if self.drop_last:
-            self._len = n // self.batch_size
-        else:
-            self._len = -(-n // self.batch_size)
-        self._lock = threading.Lock()
-        self._plan = (0, None)  # (epoch, index permutation or None for identity)
-        self.begin_epoch(0)
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def epoch(self) -> int:
-        """The epoch whose order ``batch_at`` currently serves."""
-        return self._plan[0]
-
-    def begin_epoch(self, epoch: int) -> None:
-        """Fix the row order for ``epoch`` (deterministic in ``(seed, epoch)``)."""
-        epoch = int(epoch)
-        if self.shuffle:
-            perm = np.random.default_rng((self.seed, epoch)).permutation(self.n_rows)
-        else:
-            perm = None
-        with self._lock:  # serialize writers; readers just load self._plan
-            self._plan = (epoch, perm)
-
-    def batch_at(self, i: int) -> dict[str, np.ndarray]:
-        """Return batch ``i`` (``0 <= i < len(self)``) of the current epoch."""
-        if not 0 <= i < self._len:
-            raise IndexError(f"BatchSource: batch index {i} out of range [0, {self._len})")
-        _, perm = self._plan  # one read: a consistent plan
-        start = i * self.batch_size
-        stop = min(start + self.batch_size, self.n_rows)
-        if perm is None:
-            return {k: a[start:stop] for k, a in self.fields.items()}
-        idx = perm[start:stop]
-        return {k: a[idx] for k, a in self.fields.items()}
-
-    def __iter__(self):
-        self.begin_epoch(self.epoch)
-        for i in range(self._len):
-            yield self.batch_at(i)
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {a.dtype}{list(a.shape[1:])}" for k, a in self.fields.items())
-        return (
-            f"BatchSource({{{shapes}}}, rows={self.n_rows}, batch_size={self.batch_size}, "
-            f"batches={self._len}, shuffle={self.shuffle}, drop_last={self.drop_last}, "
-            f"seed={self.seed})"
-        )
