@@ -154,16 +154,17 @@ def run_params(nitro, run_dir: str) -> dict:
 class LoggerRelay:
     """A run-scoped plugin that drives one logger from the lifecycle events of one run.
 
-    An ``OSError`` from the logger (a full disk, a file-size limit, a lost
-    connection) does not end training: it is reported once (a ``RuntimeWarning``
-    and a structlog error naming the logger, its file or address, the verb and the
-    cause, also kept in ``nitro.record.problems``), and the logger gets nothing more
-    this run. Any other exception (a bad metric name, a logger bug) propagates.
+    A logger that raises does not end training, nor stop the run's other loggers:
+    the failure is reported once (a ``RuntimeWarning`` and a structlog error naming
+    the logger, its file or address, the verb and the cause, also kept in
+    ``nitro.record.problems``), and that logger gets nothing more this run. An
+    ``OSError`` (a full disk, a file-size limit, a lost connection) is reported as an
+    I/O fault; any other exception (a metric name it refuses, a bug) as the logger's.
     """
 
     def __init__(self, logger, run):
         self.logger, self.run = logger, run
-        self.failed: OSError | None = None
+        self.failed: Exception | None = None
         for verb in LOGGER_VERBS:
             verb_of(logger, verb)  # a missing verb fails at run start, not mid-run
 
@@ -172,13 +173,18 @@ class LoggerRelay:
             return
         try:
             getattr(self.logger, verb)(*args, **kwargs)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - one logger never ends the run or the others
             self.failed = err
-            where = logger_info(self.logger)
+            where = _info_or_type(self.logger)
+            fix = (
+                "Free the disk (or fix the destination) and log again in a new run."
+                if isinstance(err, OSError)
+                else "Fix the logger (or what it was given) and log again in a new run."
+            )
             text = (
-                f"jaxnitro: logger {type(self.logger).__name__} ({where}) failed in `{verb}`: {err}. It "
-                f"gets nothing more this run; training goes on and the handle keeps its state. Free "
-                f"the disk (or fix the destination) and log again in a new run."
+                f"jaxnitro: logger {type(self.logger).__name__} ({where}) failed in `{verb}`: {type(err).__name__}: {err}. "
+                f"It gets nothing more this run; training and the other loggers go on, and the "
+                f"handle keeps its state. {fix}"
             )
             self.run.nitro.record.problems.append(text)
             log.error("logger failed", logger=type(self.logger).__name__, verb=verb, error=repr(err), **where)
@@ -235,7 +241,7 @@ def scalar_value(value) -> float | None:
     return None
 
 
-def _logger_of(x):
+def _loggers_of(x) -> list:
     loggers = getattr(x, "loggers", None)
     if loggers is not None and hasattr(x, "experiment"):  # a handle
         if not loggers:
@@ -243,23 +249,34 @@ def _logger_of(x):
                 "jaxnitro: this handle has no logger yet (it is made when train() starts) or "
                 "logging is off (logger=None)."
             )
-        return loggers[0]
-    return x
+        return list(loggers)
+    return [x]
 
 
-def logger_info(x) -> dict:
-    """The identifying parameters of a logger, or of a handle's (first) logger.
-
-    ``logger.info()`` when the logger defines it (the JSONL logger returns its
-    path; a hosted tracker its URL and run key), else ``{"backend": <type name>}``.
-    """
-    logger = _logger_of(x)
+def _info_or_type(logger) -> dict:
+    """``logger.info()`` when the logger defines it, else ``{"backend": <type name>}``; never raises."""
     info = getattr(logger, "info", None)
-    return dict(info()) if callable(info) else {"backend": type(logger).__name__}
+    try:
+        return dict(info()) if callable(info) else {"backend": type(logger).__name__}
+    except Exception as err:  # noqa: BLE001 - describing a broken logger must not fail
+        return {"backend": type(logger).__name__, "info_error": repr(err)}
+
+
+def logger_info(x):
+    """The identifying parameters of a logger, or of a handle's loggers.
+
+    For one logger: ``logger.info()`` when it defines it (the JSONL logger returns
+    its path; a hosted tracker its URL and run key), else ``{"backend": <type name>}``.
+    For a handle: that dict for its logger, or a list of them, one per logger, when
+    the run has several (``logger=["jsonl", "tensorboard"]``).
+    """
+    loggers = _loggers_of(x)
+    infos = [_info_or_type(logger) for logger in loggers]
+    return infos[0] if len(infos) == 1 else infos
 
 
 def backend(x):
     """The backend object behind a logger (or a handle's first logger): ``logger.backend`` if
     it wraps one, else the logger itself, whose own client methods stay callable."""
-    logger = _logger_of(x)
+    logger = _loggers_of(x)[0]
     return getattr(logger, "backend", logger)

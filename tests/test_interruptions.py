@@ -180,7 +180,7 @@ def test_a_logger_io_failure_is_reported_and_training_goes_on(tmp_path):
     assert np.isfinite(n.validate()["loss"])
 
 
-def test_a_logger_bug_still_propagates_with_a_final_status(tmp_path):
+def test_a_failing_logger_is_reported_and_does_not_stop_the_others_or_the_run(tmp_path):
     class Broken:
         def log_params(self, params):
             pass
@@ -195,11 +195,14 @@ def test_a_logger_bug_still_propagates_with_a_final_status(tmp_path):
             self.status = status
 
     broken = Broken()
-    n = jn.Nitro(Tiny(), data=tiny_data(), run_dir=tmp_path, logger=broken)
-    with pytest.raises(ValueError, match="bug in the logger"):
-        n.train()
-    assert n.status == "failed" and broken.status == "failed"
-    assert not any(x.is_deleted() for x in _leaves(n)) and np.isfinite(n.validate()["loss"])
+    with pytest.warns(RuntimeWarning, match=r"logger Broken \(\{'backend': 'Broken'\}\) failed in `log_metrics`: "
+                      r"ValueError: bug in the logger\. .*training and the other loggers go on"):
+        n = jn.train(Tiny(max_epochs=2), data=tiny_data(), run_dir=tmp_path, logger=[broken, "jsonl"])
+    assert n.status == "done" and not hasattr(broken, "status")  # dropped: not even finished
+    assert len(n.record.problems) == 1 and "Fix the logger" in n.record.problems[0]
+    lines = read_jsonl(Path(n.run_dir) / "metrics.jsonl")
+    assert len([x for x in lines if x.get("context") == "train"]) == 12 and lines[-1]["status"] == "done"
+    assert jn.logger_info(n) == [{"backend": "Broken"}, {"backend": "jsonl", "path": str(Path(n.run_dir) / "metrics.jsonl")}]
 
 
 # -- divergence -------------------------------------------------------------------------------------
