@@ -135,7 +135,8 @@ def _data_band(nitro) -> Band:
     rows = []
     for split, src in nitro.data.items():
         info = src.info() if hasattr(src, "info") else {}
-        warn = "" if info.get("ordered", True) else "UNORDERED: not bitwise reproducible"
+        notes = [info.get("note", "")] + ([] if info.get("ordered", True) else ["UNORDERED: not bitwise reproducible"])
+        warn = "; ".join(n for n in notes if n)
         rows.append((split, len(src), info.get("path", "?"), info.get("workers", "?"),
                      info.get("device_batches", "?"), info.get("host_batches", "?"), warn))
     return Band("data", ("split", "batches", "prefetch", "workers", "on device", "on host", "note"), rows)

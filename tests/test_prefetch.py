@@ -117,6 +117,7 @@ def test_list_source_works_synchronously_by_default():
     assert p.info() == {
         "path": "synchronous", "workers": 0, "device_batches": 1, "host_batches": 0,
         "ordered": True, "addressable": True,
+        "note": "a list of batches: the same order every epoch (not reshuffled)",
     }
     assert [int(b["x"][0]) for b in p.epoch(0)] == list(range(7))
     threaded = PrefetchIterator(tuple(batches), workers=2)
@@ -311,7 +312,7 @@ def test_transfer_runs_device_batches_ahead(workers, device_batches):
 def test_info_paths():
     assert PrefetchIterator(Source(), workers=2).info() == {
         "path": "batch_at, 2 producers", "workers": 2, "device_batches": 1,
-        "host_batches": 4, "ordered": True, "addressable": True,
+        "host_batches": 4, "ordered": True, "addressable": True, "note": "",
     }
     assert PrefetchIterator(Source(), workers=1, host_batches=7).info()["path"] == "batch_at, 1 producer"
     assert PrefetchIterator(Source(), workers=0).info()["path"] == "synchronous"

@@ -106,7 +106,9 @@ def test_data_band_rows(tmp_path):
             split, batches, info["path"], info["workers"], info["device_batches"], info["host_batches"]
         )
     assert rows["train"][2] == "batch_at, 2 producers" and rows["train"][3] == 2
-    assert "UNORDERED" in rows["train"][6] and rows["val"][6] == ""
+    assert "UNORDERED" in rows["train"][6]
+    # a plain list of batches is said not to be reshuffled
+    assert rows["val"][6] == "a list of batches: the same order every epoch (not reshuffled)"
     text = repr(n)
     assert "batch_at, 2 producers" in text and "UNORDERED" in text
 

@@ -100,11 +100,14 @@ class _Wrapper:
         """How this split is prefetched, for the binding report.
 
         ``{"path", "workers", "device_batches", "host_batches", "ordered",
-        "addressable"}``, where ``path`` is ``"batch_at, N producers"``,
+        "addressable", "note"}``, where ``path`` is ``"batch_at, N producers"``,
         ``"iterate, 1 producer"`` or ``"synchronous"`` (``workers=0``) for a
         PrefetchIterator, and ``workers``/``host_batches`` are the resolved
         values. A NoPrefetch reports ``"none (NoPrefetch)"`` with
-        ``workers``, ``device_batches`` and ``host_batches`` 0.
+        ``workers``, ``device_batches`` and ``host_batches`` 0. ``note`` is what
+        the user should know about the source: its own ``prefetch_note`` (an
+        adapter's, e.g. "iterated by one producer"), or, for a plain list or tuple
+        of batches, that it is not reshuffled; empty otherwise.
         """
         return {
             "path": self._path(),
@@ -113,6 +116,7 @@ class _Wrapper:
             "host_batches": self.host_batches,
             "ordered": self.ordered,
             "addressable": self.addressable,
+            "note": _note_of(self.source),
         }
 
     def _path(self) -> str:
@@ -370,3 +374,13 @@ class NoPrefetch(_Wrapper):
 
     def __repr__(self) -> str:
         return f"NoPrefetch({describe(self.source)}, {len(self)} batches)"
+
+
+def _note_of(source: Any) -> str:
+    """What the data band should say about ``source`` (see :meth:`_Wrapper.info`)."""
+    note = getattr(source, "prefetch_note", "")
+    if note:
+        return str(note)
+    if isinstance(source, (list, tuple)):
+        return "a list of batches: the same order every epoch (not reshuffled)"
+    return ""
