@@ -107,6 +107,7 @@ class TqdmReporter:
 
     def __init__(self, file: IO[str] | None = None, *, mininterval: float = 0.1, leave: bool = True):
         self.file = file
+        self._shown = None  # a notebook widget's display handle
         self.mininterval = float(mininterval)
         self.leave = leave
         self._bar: Any = None
@@ -150,12 +151,19 @@ class TqdmReporter:
             miniters=0,
             dynamic_ncols=self.file is None,
         )
+        self._shown = None
+        widget = any(c.__module__ == "tqdm.notebook" for c in getattr(bar_cls, "__mro__", ()))
         try:
-            self._bar = bar_cls(**kwargs)
+            self._bar = bar_cls(**kwargs, display=False) if widget else bar_cls(**kwargs)
         except ImportError:  # tqdm.notebook without ipywidgets
             from tqdm.std import tqdm as text_cls
 
             self._bar = text_cls(**kwargs)
+            widget = False
+        if widget:  # shown by us, so close() can refresh the text a notebook saves with it
+            from IPython.display import display
+
+            self._shown = display(self._bar.container, display_id=True)
         self._pos = 0.0
         self._label = self._shown_label = label
         self._fresh = True
@@ -182,6 +190,9 @@ class TqdmReporter:
         bar.set_description_str(label, refresh=False)
         bar.n = self._pos
         bar.close()
+        if self._shown is not None:  # the saved text/plain shows the end, not the start
+            self._shown.update(bar.container)
+            self._shown = None
 
     def _draw(self) -> None:
         bar = self._bar

@@ -8,10 +8,10 @@ tqdm's notebook widget: a ``display_data`` output per bar (the setup line, then
 the run's bar), updated over comm messages; nothing on stderr. Without
 ipywidgets, the same run falls back to the text bar on stderr instead of failing.
 
-What the saved notebook holds: the ``text/plain`` fallback of a widget display
-is tqdm's repr *when the bar was displayed* (``epoch 0/2: starting 0%|...``);
-the final state (``done: 2/2 epochs``) lives in the widget state nbclient stores
-in the notebook's metadata, which is what a front end renders.
+What the saved notebook holds: the widget state nbclient stores in the notebook's
+metadata (what a front end renders), and a ``text/plain`` fallback for viewers
+without widgets, which the reporter refreshes when a bar closes, so it shows the
+end (``done: 2/2 epochs``), not the start.
 
 The kernel is a fresh process importing jax (about 7 s on 2 cores), so these
 tests are ``slow`` (CI runs them with ``-m slow``).
@@ -123,11 +123,11 @@ def test_notebook_kernel_draws_tqdm_widgets(venv_kernel, tmp_path):
     widgets = [o for o in train_cell.outputs if o.output_type == "display_data" and WIDGET_VIEW in o.data]
     assert len(widgets) == 2, train_cell.outputs
     setup, run = widgets
-    # text/plain: tqdm's repr when displayed (the first label), the fallback for widget-less viewers.
-    assert setup.data["text/plain"].startswith("setup [starting]"), setup.data
+    # text/plain, the fallback for widget-less viewers: refreshed at close, so it shows the end.
+    assert setup.data["text/plain"].startswith("setup done"), setup.data
     assert setup.data["text/plain"].count("%|") == 0, setup.data  # phases: no bar, no percentage
-    assert run.data["text/plain"].startswith("epoch 0/2: starting"), run.data
-    assert "0.00/2" in run.data["text/plain"], run.data
+    assert run.data["text/plain"].startswith("done: 2/2 epochs"), run.data
+    assert "2.00/2" in run.data["text/plain"], run.data
 
     # No text bar instead (or as well): nothing bar-like on stderr or stdout of the training cell.
     for o in train_cell.outputs:
