@@ -13,6 +13,7 @@ from __future__ import annotations
 from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enable_persistent_cache
 from .events import RunContext, StepStretch
 from .experiment import compile_view, experiment, field
+from .export import load_exported
 from .handle import Nitro, train
 from .history import MetricHistory
 from .hookspecs import hookimpl, hookspec
@@ -52,6 +53,7 @@ __all__ = [
     "field",
     "hookimpl",
     "hookspec",
+    "load_exported",
     "logger_info",
     "plugins_info",
     "progress_note",

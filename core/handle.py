@@ -203,6 +203,24 @@ class Nitro:
             ) from None
         return (predict_batch(self, b) for b in batches)
 
+    def export(self, path, *, example=None, device_inputs: bool = False, symbolic_batch: bool = True,
+               platforms=None) -> str:
+        """Write the inference program (``forward`` in inference mode, as ``predict`` runs it) with
+        ``jax.export`` to the folder ``path``, with a ``metadata.json``; return ``path``.
+
+        Load it with ``jn.load_exported(path)`` (no experiment import needed). Weights
+        (``state.eval_params``: the EMA when on, and the model state) are baked in as constants;
+        Device values are baked in, or named inputs with ``device_inputs=True``. The batch
+        dimension is symbolic when the model allows it (``symbolic_batch``). ``example``: one
+        batch dict, needed when the handle has no data and has predicted nothing. ``metrics`` and
+        other host hooks are not part of the program. Refuses (``ExportError``) a ``forward`` with
+        host callbacks and unknown field shapes. See docs/export.md.
+        """
+        from .export import export_nitro
+
+        return export_nitro(self, path, example=example, device_inputs=device_inputs,
+                            symbolic_batch=symbolic_batch, platforms=platforms)
+
     def history(self) -> MetricHistory:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics)."""
         return MetricHistory(
