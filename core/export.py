@@ -249,7 +249,7 @@ def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symb
             "why_not_symbolic": symbolic_reason,
             "padding": f"a batch narrower than {width} rows is padded to {width} (repeating its last row) "
             f"and sliced back, as nitro.predict does"
-            + (f"; a wider one runs at its own size" if symbolic else f"; a wider one is refused"),
+            + ("; a wider one runs at its own size" if symbolic else "; a wider one is refused"),
         },
         "outputs": {
             "structure": str(out_tree),
