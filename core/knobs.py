@@ -1,6 +1,6 @@
 """Run knobs: keyword > experiment method > experiment field > framework default.
 
-The fourteen knobs are resolved once, when a handle is built, into one typed
+The fifteen knobs are resolved once, when a handle is built, into one typed
 :class:`Settings`. For each knob it records where the value came from, so the
 stale-handle report can tell later whether an accessor now answers
 differently, and ``print(nitro)`` can say where each value came from.
@@ -30,6 +30,7 @@ KNOB_DEFAULTS: dict[str, object] = {
     "run_dir": "runs",
     "n_devs": None,
     "accum": 1,
+    "steps_per_dispatch": 1,
     "max_epochs": 10,
     "schedules": None,
     "gradient_clip_norm": 0.0,
@@ -48,7 +49,7 @@ PLUGIN_KNOBS = ("early_stop", "checkpointer")
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
 
-SCALAR_KNOBS = ("seed", "accum", "max_epochs", "gradient_clip_norm", "check_divergence",
+SCALAR_KNOBS = ("seed", "accum", "steps_per_dispatch", "max_epochs", "gradient_clip_norm", "check_divergence",
                 "autolog_schedules", "log_every_n_steps", "n_devs", "run_dir")
 
 
@@ -133,6 +134,7 @@ class Settings:
     run_dir: str
     n_devs: int | None
     accum: int
+    steps_per_dispatch: int
     max_epochs: int
     schedules: dict
     gradient_clip_norm: float
@@ -162,7 +164,7 @@ def _is_real(v) -> bool:
 def check_values(knobs: dict[str, ResolvedKnob]) -> None:
     """Refuse knob values that would be silently converted, naming the knob, its source and the fix.
 
-    * ``accum``, ``max_epochs``, ``log_every_n_steps``: integers in range;
+    * ``accum``, ``steps_per_dispatch``, ``max_epochs``, ``log_every_n_steps``: integers in range;
     * ``seed``: an integer (``1.7`` would become ``1``) in JAX's 64-bit range;
     * ``gradient_clip_norm``: ``None`` or a finite number >= 0 (NaN or a negative value
       would switch clipping off);
@@ -174,7 +176,7 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
             f"jaxnitro: run knob `{name}` = {knobs[name].value!r} ({knobs[name].source}); {must}"
         )
 
-    for name in ("accum", "max_epochs", "log_every_n_steps"):
+    for name in ("accum", "steps_per_dispatch", "max_epochs", "log_every_n_steps"):
         v, low = knobs[name].value, (0 if name == "max_epochs" else 1)
         if not _is_int(v) or v < low:
             refuse(name, f"it must be an integer >= {low}.")
@@ -235,6 +237,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         run_dir=os.fspath(k["run_dir"]),
         n_devs=k["n_devs"],
         accum=int(k["accum"]),
+        steps_per_dispatch=int(k["steps_per_dispatch"]),
         max_epochs=int(k["max_epochs"]),
         schedules=k["schedules"] or {},
         gradient_clip_norm=float(k["gradient_clip_norm"] or 0.0),

@@ -1,6 +1,6 @@
 """The compiled programs: what runs on the device, built from the experiment's hooks.
 
-Four kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
+Five kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
 
 * ``train_step`` — forward, loss and gradient of one batch, added to the
   accumulated gradient of the earlier micro-batches, scaled by ``1/accum``,
@@ -11,6 +11,9 @@ Four kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
 * ``accumulate`` — forward, loss and gradient of one micro-batch added to the
   running sum; used for the first ``accum - 1`` micro-batches of a step.
   Key: the same minus the optimizer.
+* ``train_block`` — ``steps_per_dispatch`` (k > 1) optimizer steps, each with its
+  ``accum`` micro-batches, as one ``lax.scan``; same key as ``train_step``, one
+  trace per ``(k, accum)``.
 * ``forward`` — ``forward`` in inference mode, for validation, evaluation and
   prediction alike.
 * ``metrics`` — ``metrics`` traced on the device (``metrics_residency`` =
@@ -216,28 +219,58 @@ class ProgramSet:
     # and optimizer state: a list of arrays goes through jit's C++ argument path, while an
     # Equinox module or an optax state is flattened in Python on every call.
 
+    def _accumulate_fn(self, meta) -> Callable:
+        """The body of :meth:`accumulate` (also traced inside :meth:`train_block`)."""
+        p_def, s_def = self.param_def, self.state_def
+
+        def accumulate(p_leaves, s_leaves, dev, batch, acc):
+            batch = with_key(batch)
+            params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+            state = jax.tree_util.tree_unflatten(s_def, s_leaves)
+            grads, new_state, aux = self._grads(params, state, dev, batch, meta)
+            g_leaves = jax.tree_util.tree_leaves(grads)
+            if acc is not None:
+                g_leaves = [a + g for a, g in zip(acc[0], g_leaves)]
+                aux = acc[1] + aux
+            return (g_leaves, aux), jax.tree_util.tree_leaves(new_state)
+
+        return accumulate
+
     def accumulate(self) -> Program:
         """``(param_leaves, state_leaves, dev, batch, acc) -> (acc, state_leaves)``.
 
         ``acc = (grad leaves, aux sum)`` is None for the first micro-batch of a step.
         """
+        return self._program("accumulate", self.train_key(), self._accumulate_fn, donate_argnums=(1, 4))
+
+    def _train_step_fn(self, opt: OptimizerSpec, tx, opt_def, meta) -> Callable:
+        """The body of :meth:`train_step` (also traced inside :meth:`train_block`)."""
         p_def, s_def = self.param_def, self.state_def
 
-        def build(meta):
-            def accumulate(p_leaves, s_leaves, dev, batch, acc):
-                batch = with_key(batch)
-                params = jax.tree_util.tree_unflatten(p_def, p_leaves)
-                state = jax.tree_util.tree_unflatten(s_def, s_leaves)
-                grads, new_state, aux = self._grads(params, state, dev, batch, meta)
-                g_leaves = jax.tree_util.tree_leaves(grads)
-                if acc is not None:
-                    g_leaves = [a + g for a, g in zip(acc[0], g_leaves)]
-                    aux = acc[1] + aux
-                return (g_leaves, aux), jax.tree_util.tree_leaves(new_state)
+        def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
+            batch = with_key(batch)
+            params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+            state = jax.tree_util.tree_unflatten(s_def, s_leaves)
+            opt_state = jax.tree_util.tree_unflatten(opt_def, o_leaves)
+            grads, new_state, aux = self._grads(params, state, dev, batch, meta)
+            if acc is not None:
+                grads = jax.tree_util.tree_unflatten(
+                    p_def, [a + g for a, g in zip(acc[0], jax.tree_util.tree_leaves(grads))]
+                )
+                aux = acc[1] + aux
+            grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
+            grads = opt.clip(grads, hypers)
+            rule_state, ema = split_ema(opt_state, opt)
+            rule_state = set_hypers(rule_state, opt, hypers)
+            updates, rule_state = tx.update(grads, rule_state, params)
+            params = eqx.apply_updates(params, updates)
+            if ema is not None:  # the moving average, in the same program: no extra dispatch
+                ema = update_ema(ema, params, hypers[opt.layout.ema_index])
+            opt_state = join_ema(rule_state, ema, opt)
+            leaves = jax.tree_util.tree_leaves
+            return leaves(params), leaves(new_state), leaves(opt_state), aux * scale
 
-            return accumulate
-
-        return self._program("accumulate", self.train_key(), build, donate_argnums=(1, 4))
+        return train_step
 
     def train_step(self, opt: OptimizerSpec, tx, opt_def) -> Program:
         """``(param_leaves, state_leaves, opt_leaves, dev, batch, acc, scale, hypers)`` ->
@@ -250,36 +283,54 @@ class ProgramSet:
         costs no dispatch); ``aux`` is the step's
         ``[loss, *train_metrics]`` averaged over its micro-batches.
         """
-        p_def, s_def = self.param_def, self.state_def
-
-        def build(meta):
-            def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
-                batch = with_key(batch)
-                params = jax.tree_util.tree_unflatten(p_def, p_leaves)
-                state = jax.tree_util.tree_unflatten(s_def, s_leaves)
-                opt_state = jax.tree_util.tree_unflatten(opt_def, o_leaves)
-                grads, new_state, aux = self._grads(params, state, dev, batch, meta)
-                if acc is not None:
-                    grads = jax.tree_util.tree_unflatten(
-                        p_def, [a + g for a, g in zip(acc[0], jax.tree_util.tree_leaves(grads))]
-                    )
-                    aux = acc[1] + aux
-                grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
-                grads = opt.clip(grads, hypers)
-                rule_state, ema = split_ema(opt_state, opt)
-                rule_state = set_hypers(rule_state, opt, hypers)
-                updates, rule_state = tx.update(grads, rule_state, params)
-                params = eqx.apply_updates(params, updates)
-                if ema is not None:  # the moving average, in the same program: no extra dispatch
-                    ema = update_ema(ema, params, hypers[opt.layout.ema_index])
-                opt_state = join_ema(rule_state, ema, opt)
-                leaves = jax.tree_util.tree_leaves
-                return leaves(params), leaves(new_state), leaves(opt_state), aux * scale
-
-            return train_step
-
         return self._program(
             "train_step",
+            self.train_key() + (opt.key(), stable_key(opt_def)),
+            lambda meta: self._train_step_fn(opt, tx, opt_def, meta),
+            donate_argnums=(0, 1, 2),
+        )
+
+    def train_block(self, opt: OptimizerSpec, tx, opt_def) -> Program:
+        """``k`` optimizer steps in one program (``steps_per_dispatch``): a ``lax.scan`` of
+        the ``accum - 1`` accumulate bodies and the train-step body.
+
+        ``(param_leaves, state_leaves, opt_leaves, dev, dev_steps, extra, batches, scale,
+        hypers)`` -> ``(param_leaves, state_leaves, opt_leaves, aux)``. ``batches`` holds
+        every field with leading axes ``[k, accum]``; ``dev_steps`` the scheduled Device
+        values ``[k]`` (they override ``dev``); ``hypers`` ``[k, n]``; ``extra`` entries
+        (the run's base key) join every micro-batch; ``aux`` is ``[k, len(aux_names)]``.
+        ``k`` and ``accum`` are read from the shapes: changing ``k`` traces this program
+        again (one compile), nothing else. The bodies are the ones :meth:`accumulate` and
+        :meth:`train_step` trace, so the results are those of ``k`` separate steps.
+        """
+
+        def build(meta):
+            accumulate = self._accumulate_fn(meta)
+            train_step = self._train_step_fn(opt, tx, opt_def, meta)
+
+            def train_block(p_leaves, s_leaves, o_leaves, dev, dev_steps, extra, batches, scale, hypers):
+                accum = jax.tree_util.tree_leaves(batches)[0].shape[1]
+
+                def body(carry, xs):
+                    p, s, o = carry
+                    d_step, batch, h = xs
+                    d = {**dev, **d_step}
+                    acc = None
+                    for i in range(accum):
+                        micro = {**extra, **{f: v[i] for f, v in batch.items()}}
+                        if i < accum - 1:
+                            acc, s = accumulate(p, s, d, micro, acc)
+                        else:
+                            p, s, o, aux = train_step(p, s, o, d, micro, acc, scale, h)
+                    return (p, s, o), aux
+
+                (p, s, o), aux = jax.lax.scan(body, (p_leaves, s_leaves, o_leaves), (dev_steps, batches, hypers))
+                return p, s, o, aux
+
+            return train_block
+
+        return self._program(
+            "train_block",
             self.train_key() + (opt.key(), stable_key(opt_def)),
             build,
             donate_argnums=(0, 1, 2),

@@ -208,6 +208,24 @@ class StepValues:
     def hypers(self, step: int):
         return self.vector if self.constant else self.table[min(step, len(self.table) - 1)]
 
+    def hypers_block(self, step: int, k: int):
+        """``[k, n]``: the hyperparameter vectors of steps ``step .. step + k - 1``."""
+        if self.constant:
+            blocks = self.__dict__.setdefault("_blocks", {})
+            if k not in blocks:
+                blocks[k] = jax.device_put(np.tile(np.asarray(self.vector), (k, 1)))
+            return blocks[k]
+        return self.table[np.minimum(np.arange(step, step + k), len(self.table) - 1)]
+
+    def dev_block(self, step: int, k: int) -> dict:
+        """The scheduled Device fields of steps ``step .. step + k - 1``: ``{name: [k]}``."""
+        if not self.device:
+            return {}
+        return {
+            name: values[np.minimum(np.arange(step, step + k), len(values) - 1)]
+            for name, values in self.device.items()
+        }
+
     def dev(self, base: dict, step: int) -> dict:
         if not self.device:
             return base

@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from .batches import batch_width, unwrap
-from .evaluation import evaluate_split, make_transfer
+from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, StepStretch, emit, emit_finish, run_scoped
 from .interrupts import Terminated, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
@@ -172,11 +172,28 @@ class _Run:
         o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.step_prog = progs.train_step(nitro.plan.opt_spec, nitro.plan.tx, o_def)
         self.scale = jax.device_put(np.float32(1.0 / self.accum))
-        transfer = make_transfer(nitro, ("forward", "loss", "train_metrics"))
+        # steps_per_dispatch: k optimizer steps per dispatch (one lax.scan program); batches
+        # then stay on the host until a block of k * accum is stacked and sent at once
+        self.k = nitro.settings.steps_per_dispatch
+        self.read_every, self.max_pending = READ_EVERY, MAX_PENDING  # in pending entries
+        self.block_prog, self.extra = None, {}
+        hooks = ("forward", "loss", "train_metrics")
+        keyed = any(nitro.plan.routes[h].wants_key for h in hooks if h in nitro.plan.routes)
+        if self.k > 1:
+            self.block_prog = progs.train_block(nitro.plan.opt_spec, nitro.plan.tx, o_def)
+            self.read_every = max(1, READ_EVERY // self.k)
+            self.max_pending = max(2, MAX_PENDING // self.k)
+            fields = _device_fields(nitro, hooks)
+            transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
+            if keyed:
+                self.extra = {KEY_DATA: nitro.state.rng}
+        else:
+            transfer = make_transfer(nitro, hooks)
         if not isinstance(unwrap(train), (list, tuple)):  # setup read every batch of a list only
             transfer = _width_checked(transfer, nitro.plan.width)
-        if any(nitro.plan.routes[h].wants_key for h in ("forward", "loss", "train_metrics") if h in nitro.plan.routes):
-            transfer = _keyed(transfer, nitro.state.rng, itertools.count(nitro.step * self.accum))
+        if keyed:
+            counter = itertools.count(nitro.step * self.accum)
+            transfer = _keyed(transfer, nitro.state.rng, counter) if self.k == 1 else _counted(transfer, counter)
         self.transfer = transfer
         self.logged_sched = self.scheds.logged if nitro.settings.autolog_schedules else {}
         self.pending: list = []
@@ -200,8 +217,9 @@ class _Run:
         last = nitro.settings.max_epochs
         for epoch in range(nitro.epoch + 1, last + 1):
             nitro.state = nitro.state.replace(epoch=epoch)
-            phase_start(self.run_ctx, epoch, "train", "compiling train step" if self.step_prog.traces == 0 else None)
-            outcome = self.train_epoch(epoch, stop)
+            prog = self.block_prog or self.step_prog
+            phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
+            outcome = self.train_epoch(epoch, stop) if self.k == 1 else self.train_epoch_blocks(epoch, stop)
             if outcome is Outcome.STOPPED or stop.status is not None:
                 self.stop()
             if outcome is Outcome.DIVERGED or ((validate or epoch == last) and self.read(wait=True)):
@@ -264,6 +282,9 @@ class _Run:
         finally:
             stream.close()
             self.publish(params, mstate, opt_state, step)
+        return self._end_epoch(epoch, step, outcome, wait, t_epoch)
+
+    def _end_epoch(self, epoch: int, step: int, outcome: "Outcome", wait: float, t_epoch: float) -> "Outcome":
         if outcome is Outcome.STOPPED:
             return outcome  # no row for a partial epoch; its steps are still read and logged
         self.epoch_ends.append((epoch, step))
@@ -273,6 +294,72 @@ class _Run:
         stats = {"data_wait_frac": wait / elapsed if elapsed else 0.0}
         emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats)
         return outcome
+
+    def train_epoch_blocks(self, epoch: int, stop) -> "Outcome":
+        """:meth:`train_epoch` for ``steps_per_dispatch`` = k > 1: each dispatch runs k
+        optimizer steps (the ``train_block`` program) on k * accum batches stacked on the
+        host, and appends their ``[k, n]`` scalars to ``pending``. The last
+        ``steps_per_epoch % k`` steps run with the one-step programs. A stop is honoured
+        between dispatches."""
+        nitro, scheds, accumulate, k = self.nitro, self.scheds, self.accumulate, self.k
+        step_fn, block_fn, scale = self.step_prog.jitted, self.block_prog.jitted, self.scale
+        dev = nitro.device_values
+        block_dev = {n: v for n, v in dev.items() if n not in scheds.device}
+        extra, accum, size = self.extra, self.accum, k * self.accum
+        put = jax.device_put if stages_on_device() else None
+        params, mstate, opt_state = nitro.state.leaves()
+        step = nitro.step
+        self.epoch_first_step[epoch] = step + 1
+        wait, outcome = 0.0, Outcome.COMPLETE
+        t_epoch = time.perf_counter()
+        stream = self.train.epoch(epoch, self.transfer)
+        try:
+            while outcome is Outcome.COMPLETE:
+                t0 = time.perf_counter()
+                group = list(itertools.islice(stream, size))
+                wait += time.perf_counter() - t0
+                if len(group) < size:
+                    break
+                block = {
+                    f: (lambda a: a.reshape((k, accum) + a.shape[1:]))(np.stack([b[f] for b in group]))
+                    for f in group[0]
+                }
+                if put is not None:
+                    block = put(block)
+                params, mstate, opt_state, aux = block_fn(
+                    params, mstate, opt_state, block_dev, scheds.dev_block(step, k), extra, block, scale,
+                    scheds.hypers_block(step, k),
+                )
+                step += k
+                self.pending.append(aux)
+                if stop.status is not None:
+                    outcome = Outcome.STOPPED
+                elif len(self.pending) >= self.read_every and self.read(wait=False):
+                    outcome = Outcome.DIVERGED
+            acc, micro = None, 0
+            for batch in group if outcome is Outcome.COMPLETE else ():  # the remainder, one step a dispatch
+                if extra:
+                    batch = {**batch, **extra}
+                if micro < accum - 1:
+                    acc, mstate = accumulate(params, mstate, scheds.dev(dev, step), batch, acc)
+                    micro += 1
+                    continue
+                params, mstate, opt_state, aux = step_fn(
+                    params, mstate, opt_state, scheds.dev(dev, step), batch, acc, scale, scheds.hypers(step)
+                )
+                acc, micro = None, 0
+                step += 1
+                self.pending.append(aux)
+                if stop.status is not None:
+                    outcome = Outcome.STOPPED
+                    break
+                if len(self.pending) >= self.read_every and self.read(wait=False):
+                    outcome = Outcome.DIVERGED
+                    break
+        finally:
+            stream.close()
+            self.publish(params, mstate, opt_state, step)
+        return self._end_epoch(epoch, step, outcome, wait, t_epoch)
 
     def publish(self, p, s, o, step: int) -> None:
         """Make the leaves of the last completed optimizer step the handle's state."""
@@ -292,9 +379,9 @@ class _Run:
         busy a core the computation needs.
         """
         if not wait:
-            if not (self.pending[READ_EVERY - 1].is_ready() or len(self.pending) >= MAX_PENDING):
+            if not (self.pending[self.read_every - 1].is_ready() or len(self.pending) >= self.max_pending):
                 return False
-            return self._process(READ_EVERY)
+            return self._process(self.read_every)
         while self.pending:
             pending, done = self.pending, 0
             while done < len(pending) and pending[done].is_ready():
@@ -310,7 +397,10 @@ class _Run:
         epochs' rows. True on a non-finite loss (the steps before it are still emitted)."""
         nitro = self.nitro
         ready, self.pending = self.pending[:n], self.pending[n:]
-        values = np.stack([np.asarray(a) for a in ready]).tolist()  # ~10x cheaper than device_get
+        if self.k == 1:
+            values = np.stack([np.asarray(a) for a in ready]).tolist()  # ~10x cheaper than device_get
+        else:  # [k, n] blocks and the remainder's [n] vectors
+            values = np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in ready]).tolist()
         check = nitro.settings.check_divergence
         first, rows, epochs, closed, diverged = self.first_unread, [], [], [], False
         for row in values:
@@ -328,7 +418,9 @@ class _Run:
             if self.epoch_ends and s == self.epoch_ends[0][1]:
                 closed.append(self._close_epoch())
         if rows:
-            names = self.step_prog.meta.get("aux_names", ("loss",))
+            names = self.step_prog.meta.get("aux_names") or (
+                self.block_prog.meta.get("aux_names") if self.block_prog else None
+            ) or ("loss",)
             stretch = StepStretch(first, tuple(names), rows, epochs, self.logged_sched)
             emit("jaxnitro_steps_read", run=self.run_ctx, stretch=stretch)
         for row in closed:
@@ -420,6 +512,18 @@ def _keyed(transfer, key_data, counter):
     def keyed(batch):
         batch = transfer(batch)
         batch[KEY_DATA] = key_data
+        batch[KEY_COUNT] = np.uint32(next(counter))
+        return batch
+
+    return keyed
+
+
+def _counted(transfer, counter):
+    """:func:`_keyed` for ``steps_per_dispatch`` > 1: the micro-batch number only (a block
+    carries the base key once)."""
+
+    def keyed(batch):
+        batch = transfer(batch)
         batch[KEY_COUNT] = np.uint32(next(counter))
         return batch
 

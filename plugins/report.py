@@ -181,7 +181,7 @@ def _bindings_band(nitro) -> Band:
     rows = [("gradient_clip_norm", s.gradient_clip_norm or "off", s.source("gradient_clip_norm"))]
     for key, target in nitro.plan.bindings.describe():
         rows.append((f"schedule {key}", target, s.source("schedules")))
-    for name in ("accum", "max_epochs", "seed", "log_every_n_steps", "check_divergence"):
+    for name in ("accum", "steps_per_dispatch", "max_epochs", "seed", "log_every_n_steps", "check_divergence"):
         rows.append((name, getattr(s, name), s.source(name)))
     if s.logger is not None:
         rows.append(("logger", s.logger, s.source("logger")))

@@ -1,0 +1,183 @@
+"""``steps_per_dispatch=k``: k optimizer steps per dispatch, bitwise identical to k = 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxnitro as jn
+from jaxnitro import cache as jcache
+from jaxnitro.trainer import READ_EVERY
+
+from tiny import Tiny, fresh_tiny, make_arrays, batches
+
+jn.progress_reporter(None)
+
+
+def train_lines(nitro) -> list[tuple]:
+    with open(os.path.join(nitro.run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    return [(l["step"], l["epoch"], l["loss"]) for l in lines if l.get("context") == "train"]
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def run(cls, tmp_path, **kw):
+    kw.setdefault("max_epochs", 2)
+    n = jn.Nitro(cls(), run_dir=tmp_path, **kw)
+    n.train()
+    return n
+
+
+def assert_same(a, b):
+    assert a.status == b.status
+    assert a.step == b.step
+    for x, y in zip(leaves(a.params), leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert train_lines(a) == train_lines(b)
+    assert a.rows == b.rows
+
+
+def data(n_batches: int, batch: int = 8) -> dict:
+    x, y, oh = make_arrays(n_batches * batch + 16, seed=1)
+    return {
+        "train": batches(x[:-16], y[:-16], oh[:-16], batch),
+        "val": batches(x[-16:], y[-16:], oh[-16:], batch),
+    }
+
+
+@pytest.mark.parametrize("k,accum,n_batches", [(4, 1, 12), (4, 1, 14), (3, 2, 14), (8, 1, 6)])
+def test_bitwise_identical_to_one_step_per_dispatch(tmp_path, k, accum, n_batches):
+    # 14 batches at k=4: 3 blocks and a remainder of 2 steps; 14 at accum 2, k 3: 7 steps = 2
+    # blocks + 1; 6 batches at k=8: an epoch shorter than one block (remainder only)
+    d = data(n_batches)
+    ref = run(Tiny, tmp_path, data=d, accum=accum)
+    got = run(Tiny, tmp_path, data=d, accum=accum, steps_per_dispatch=k)
+    assert got.settings.steps_per_dispatch == k
+    assert_same(ref, got)
+
+
+class Dropout(Tiny):
+    rate: jn.Device[float] = 0.3
+
+    def forward(self, model, state, *, x, key):
+        h = jax.vmap(model)(x)
+        keep = jax.random.bernoulli(key, 1 - self.rate, h.shape)
+        return jnp.where(keep, h / (1 - self.rate), 0.0) / self.temperature, state
+
+    def train_metrics(self, logits, *, label):
+        return {"acc": jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(label, -1))}
+
+
+Dropout = jn.experiment(Dropout)
+
+
+def test_schedules_keys_train_metrics_and_ema_bitwise(tmp_path):
+    sched = {
+        "learning_rate": lambda total: optax.linear_schedule(1e-2, 1e-3, total),
+        "device": {"smoothing": lambda total: lambda s: 0.1 * s / total},
+    }
+    d = data(10)
+    kw = dict(data=d, accum=2, schedules=sched, max_epochs=3, ema=jn.EMA(decay=0.9))
+    ref = run(Dropout, tmp_path, **kw)
+    got = run(Dropout, tmp_path, steps_per_dispatch=2, **kw)
+    assert_same(ref, got)
+    for x, y in zip(leaves(ref.state.ema), leaves(got.state.ema), strict=True):
+        np.testing.assert_array_equal(x, y)
+    with open(os.path.join(got.run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if '"train"' in line]
+    assert [l["step"] for l in lines if l.get("context") == "train"] == list(range(1, 16))
+    assert all("acc" in l for l in lines if l.get("context") == "train")
+
+
+def test_changing_k_compiles_one_program(tmp_path):
+    C = fresh_tiny()
+    d = {"train": data(16)["train"]}
+    run(C, tmp_path, data=d)  # k = 1: the one-step program
+    before = jn.cache_stats().misses
+    run(C, tmp_path, data=d, steps_per_dispatch=4)
+    assert jn.cache_stats().misses == before + 1  # the k=4 block program, nothing else
+    run(C, tmp_path, data=d, steps_per_dispatch=8)
+    assert jn.cache_stats().misses == before + 2
+    run(C, tmp_path, data=d, steps_per_dispatch=4)
+    run(C, tmp_path, data=d)
+    assert jn.cache_stats().misses == before + 2
+    mine = jcache.stable_key(C)
+    kinds = {kind: p.traces for (kind, key), p in jcache._programs.items() if key[0] == mine}
+    assert kinds == {"train_step": 1, "train_block": 2}
+
+
+def test_divergence_reported_at_its_step(tmp_path):
+    x, y, oh = make_arrays(8 * 100, seed=2)
+    b = batches(x, y, oh, 8)
+    bad = 2 * READ_EVERY + 5  # 0-based batch index: step bad + 1
+    b[bad] = {**b[bad], "x": np.full_like(b[bad]["x"], np.nan)}
+    ref = jn.Nitro(Tiny(), data={"train": b}, run_dir=tmp_path, max_epochs=1)
+    got = jn.Nitro(Tiny(), data={"train": b}, run_dir=tmp_path, max_epochs=1, steps_per_dispatch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref.train()
+        got.train()
+    assert ref.status == got.status == "diverged"
+    assert got.record.diverged_at == ref.record.diverged_at == (bad + 1, 1)
+    assert got.record.stop_reason == ref.record.stop_reason
+    assert train_lines(got) == train_lines(ref)
+    assert got.rows == ref.rows
+
+
+def test_knob_resolution_and_validation(tmp_path):
+    class ByField(Tiny):
+        steps_per_dispatch: int = 4
+
+    class ByMethod(Tiny):
+        def steps_per_dispatch(self):
+            return 2
+
+    n = jn.Nitro(jn.experiment(ByField)(), run_dir=tmp_path)
+    assert (n.settings.steps_per_dispatch, n.settings.source("steps_per_dispatch")) == (4, "field")
+    n = jn.Nitro(jn.experiment(ByMethod)(), run_dir=tmp_path)
+    assert (n.settings.steps_per_dispatch, n.settings.source("steps_per_dispatch")) == (2, "accessor")
+    n = jn.Nitro(jn.experiment(ByMethod)(), run_dir=tmp_path, steps_per_dispatch=3)
+    assert (n.settings.steps_per_dispatch, n.settings.source("steps_per_dispatch")) == (3, "keyword")
+    assert jn.Nitro(Tiny(), run_dir=tmp_path).settings.steps_per_dispatch == 1
+    assert "steps_per_dispatch" in str(n)  # print(nitro)'s bindings band
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="steps_per_dispatch"):
+            jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch=bad)
+
+
+def test_ctrl_c_is_honoured_between_dispatches(tmp_path):
+    from jaxnitro.interrupts import request
+
+    x, y, oh = make_arrays(8 * 20, seed=3)
+    b = batches(x, y, oh, 8)
+
+    class Source:
+        def __len__(self):
+            return len(b)
+
+        def begin_epoch(self, epoch):
+            pass
+
+        def batch_at(self, i):
+            if i == 9:  # read while staging the third block (batches 8..11)
+                request.status = "interrupted"
+            return b[i]
+
+    n = jn.Nitro(Tiny(), data={"train": jn.NoPrefetch(Source())}, run_dir=tmp_path, max_epochs=1,
+                 steps_per_dispatch=4)
+    with pytest.raises(KeyboardInterrupt):
+        n.train()
+    assert n.status == "interrupted"
+    assert n.step == 12  # the block in flight finished; no step of the next one ran
+    assert [s for s, _, _ in train_lines(n)] == list(range(1, 13))
+    assert "at step 12" in n.record.stop_reason
