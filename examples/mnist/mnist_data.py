@@ -258,7 +258,3 @@ def splits(images, labels, n_train: int, n_val: int, n_test: int):
         (images[a:b], labels[a:b]),
         (images[b:need], labels[b:need]),
     )
-
-
-# ---------------------------------------------------------------------------
-# Batch source
