@@ -260,7 +260,42 @@ def _rank(name: str, mode: str):
     return rank
 
 
-def _policy(policies, monitor):
+@attrs.define
+class _Known:
+    """A policy's view of a checkpoint whose metrics orbax did not keep (see below)."""
+
+    step: int
+    metrics: dict | None
+    time: object
+
+
+@attrs.define
+class _WithKnownMetrics:
+    """orbax preservation policy: ``inner``, with the metrics of checkpoints saved by an
+    earlier process filled in from their own records.
+
+    orbax keeps the metrics given to ``save`` in memory only (it writes them to disk only
+    for its legacy ``best_fn`` mode), so a resumed run reopening its folder would see its
+    earlier checkpoints without metrics, and its first save would prune them all, better
+    ones included. ``known`` maps those steps to the metrics their JSON record holds.
+    """
+
+    inner: object
+    known: dict
+
+    def should_preserve(self, checkpoints, *, context):
+        filled = [
+            c if c.metrics or c.step not in self.known else _Known(c.step, self.known[c.step], c.time)
+            for c in checkpoints
+        ]
+        return self.inner.should_preserve(filled, context=context)
+
+
+def _policy(policies, monitor, known: dict):
+    return _WithKnownMetrics(_policy_of(policies, monitor), known)
+
+
+def _policy_of(policies, monitor):
     parts = [_NewestRunEnd()]
     for p in policies:
         if isinstance(p, Last):
@@ -274,6 +309,30 @@ def _policy(policies, monitor):
                 )
             )
     return _ocp().checkpoint_managers.AnyPreservationPolicy(parts)
+
+
+def _recorded_metrics(directory: str, monitor) -> dict:
+    """``{step: orbax metrics}`` rebuilt from the JSON records of the checkpoints already in
+    ``directory`` (empty for a new run folder); an unreadable record is left out."""
+    if not os.path.isdir(directory):
+        return {}
+    ocp = _ocp()
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    with _quiet_absl("is read only"):
+        reader = ocp.CheckpointManager(directory, options=options)
+    known = {}
+    for step in reader.all_steps():
+        try:
+            meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # noqa: BLE001 - a damaged record: orbax's own view stands
+            continue
+        metrics = {_EPOCH_END: 1.0 if meta.get("end") is None else 0.0}
+        value = (meta.get("metrics") or {}).get(monitor[0]) if monitor is not None else None
+        if isinstance(value, (int, float)) and math.isfinite(float(value)):
+            metrics[monitor[0]] = float(value)
+        known[step] = metrics
+    reader.close()
+    return known
 
 
 def _copy(tree):
@@ -308,8 +367,9 @@ class _Saver:
         self.monitor = run.monitor
         self.dir = os.path.join(os.path.abspath(run.run_dir), CHECKPOINTS)
         ocp = _ocp()
+        known = _recorded_metrics(self.dir, self.monitor)  # a continued run folder's checkpoints
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=_policy(ckpt.policies(self.monitor, self.validated), self.monitor),
+            preservation_policy=_policy(ckpt.policies(self.monitor, self.validated), self.monitor, known),
             enable_async_checkpointing=False,  # the worker thread is the asynchrony (fewer threads, less CPU)
             cleanup_tmp_directories=True,  # what a killed save left behind in a continued run folder
             create=True,

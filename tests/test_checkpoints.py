@@ -449,3 +449,15 @@ def test_validation_predict_and_model_use_the_ema(tmp_path):
     raw = jn.Nitro(Ranked(), data=data, run_dir=tmp_path, weights=n)  # a warm start takes the raw params
     assert not np.allclose(n.predict({"x": x}), raw.predict({"x": x}))
     assert n.rows[-1]["loss"] == n.validate()["loss"]
+
+
+def test_a_resumed_run_keeps_its_earlier_best_checkpoints(tmp_path):
+    """Checkpoints saved by the earlier process keep their rank: the resumed run's saves
+    prune by the whole run's metrics (orbax itself keeps metrics in memory only)."""
+    keep = jn.Checkpointer(keep=(jn.Best(2), jn.Last(1)))
+    first = jn.train(Ranked(), run_dir=tmp_path, max_epochs=4, checkpointer=keep, logger=None)
+    by_step = {r["step"]: r["loss"] for r in first.rows}
+    resumed = jn.train(Ranked(), run_dir=tmp_path, resume="auto", max_epochs=6, checkpointer=keep, logger=None)
+    by_step.update({r["step"]: r["loss"] for r in resumed.rows})
+    best_two = sorted(by_step, key=by_step.get, reverse=True)[:2]  # monitor ("loss", "max")
+    assert sorted(int(s) for s in step_dirs(first.run_dir)) == sorted(set(best_two) | {36})
