@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .optim import HYPERS
@@ -123,8 +124,10 @@ def bind_schedules(schedules, device_fields: dict, groups: tuple[str, ...]) -> B
 def materialize(factory, total: int, name: str) -> np.ndarray:
     """Call ``factory(total)`` and evaluate the schedule at steps ``0 .. total-1`` as float32.
 
-    Tries one vectorized call on ``np.arange(total)`` (optax schedules accept
-    arrays) and falls back to one call per step.
+    Tries one vectorized call on ``np.arange(total)`` (most optax schedules accept
+    arrays), then one jitted ``vmap`` over the steps (optax's one-cycle and other
+    piecewise schedules: about 0.1 s for 8,000 steps instead of about 1 ms a step), and
+    falls back to one call per step for a schedule that cannot be traced.
     """
     schedule = factory(total)
     if not callable(schedule):
@@ -140,7 +143,14 @@ def materialize(factory, total: int, name: str) -> np.ndarray:
             values = None
     except Exception:
         pass
-    if values is None:
+    if values is None:  # e.g. optax's piecewise schedules: traceable, but not over an array
+        try:
+            values = np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(total)), dtype=np.float32)
+            if values.shape != (total,):
+                values = None
+        except Exception:
+            values = None
+    if values is None:  # a schedule that cannot be traced: one call per step
         values = np.asarray([float(schedule(int(s))) for s in steps], dtype=np.float32)
     return check_schedule_values(values, name)
 
