@@ -244,8 +244,8 @@ def experiment(cls=None, /):
 
     Fields are read from the class annotations with their markers
     (``Device[T]``, ``GraphConst[T]``, unmarked = Host) and the string literal
-    after each field becomes its doc. Methods named like the hooks in
-    :class:`jaxnitro.hookspecs.ExperimentSpec` are the experiment's hooks.
+    after each field becomes its doc. Methods named like
+    the experiment hooks of :mod:`jaxnitro.hookspecs` (``EXPERIMENT_HOOKS``) are the experiment's hooks.
 
     Raises at decoration (:func:`_check_member_names`): ``TypeError`` for a
     ``GraphConst`` field named ``seed``, a field named like an experiment hook, a

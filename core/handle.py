@@ -38,25 +38,32 @@ __all__ = ["Nitro", "train"]
 class Nitro:
     """A training/evaluation handle for one experiment.
 
-    ``Nitro(e, data=None, run_ref=None, weights=None, **run_knobs)``:
+    ``Nitro(e, data=None, weights=None, resume=False, w0=None, restore_optimizer=True,
+    restore_best=False, run_ref=None, **run_knobs)``:
 
     * ``data``: ``{split: source}`` used instead of ``build_data`` (``{}``
       for a handle that only predicts; no optimizer state is allocated
       without a ``train`` split);
-    * ``weights``: another ``Nitro`` to warm-start from (its parameters and
-      model state; fresh optimizer, step 0);
+    * ``weights``: another ``Nitro`` (warm start: its parameters and model
+      state, a fresh optimizer, step 0), or a checkpoint: a path, a run folder,
+      ``(run, "best" | "last" | step)``, ``jn.Average(jn.Last(n))`` (needs a
+      checkpointer plugin; see docs/checkpoints.md);
+    * ``resume``: ``"auto"``, a path or a ``(run, checkpoint)`` pair: continue a
+      run from its checkpoint (``restore_optimizer``, ``restore_best`` refine
+      it); ``w0="weights"`` anchors ``decay_anchor="w0"`` groups to ``weights``;
     * ``run_ref``: a one-element list filled with the handle before training;
-    * run knobs (``seed``, ``run_dir``, ``accum``, ``max_epochs``,
+    * run knobs (``seed``, ``run_dir``, ``n_devs``, ``accum``, ``max_epochs``,
       ``schedules``, ``gradient_clip_norm``, ``check_divergence``,
-      ``autolog_schedules``, ``log_every_n_steps``, ``logger``,
-      ``early_stop``, ``n_devs``): a keyword wins over an experiment method of
-      that name, which wins over a field of that name, which wins over the
-      framework default.
+      ``autolog_schedules``, ``log_every_n_steps``, ``steps_per_dispatch``,
+      ``logger``, ``checkpointer``, ``early_stop``, ``ema``): a keyword wins over
+      an experiment method of that name, which wins over a field of that name,
+      which wins over the framework default. They are resolved once, into
+      ``nitro.settings``.
 
-    Raises at construction, naming the culprit and the fix, for: an unknown
-    keyword, an invalid split (partial train batch, batch count not divisible
-    by ``accum``), a missing required hook, or a batch lacking a field a hook
-    requires.
+    Raises at construction, naming the culprit and the fix, for every mistake
+    setup can see (docs/errors.md lists them): an unknown keyword, an invalid
+    split, a missing required hook, a batch lacking a field a hook requires, a
+    knob no loaded plugin acts on, weights that do not fit the model, ...
     """
 
     def __init__(self, experiment, **kwargs):

@@ -328,6 +328,7 @@ class _RunDisplay:
         if isinstance(value, (int, float)):
             figures.append(f"{self.monitor} {value:.4g}")
         self.figures = " | ".join(figures)
+        self.detail = None  # the phase's first step ("compiling forward") is over
         self.move(float(row["epoch"]))
 
     def phase_start(self, epoch: int, phase: str, detail: str | None) -> None:
