@@ -390,6 +390,7 @@ def jaxnitro_phase_start(run, epoch, phase, detail):
 def jaxnitro_steps_read(run, stretch):
     display = _runs.get(id(run))
     if display is not None and len(stretch):
+        display.detail = None  # steps were computed: the phase's first step (a compile) is over
         display.move((stretch.first_step + len(stretch) - 1) / display.steps_per_epoch)
 
 
