@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 import jaxnitro as jn
 from jaxnitro import cache as jcache
@@ -284,6 +285,7 @@ def _child(tmp_path, *args, env_cache=None):
     return int(hits), int(miss), status
 
 
+@pytest.mark.slow  # two fresh processes (~4 s)
 def test_persistent_cache_lets_a_second_process_skip_xla_compilation(tmp_path):
     cache_dir = tmp_path / "xla-cache"
     # 1st process: opted in through the environment variable, on an empty folder.

