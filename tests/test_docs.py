@@ -207,10 +207,12 @@ def _first_line(stmt: ast.stmt) -> int:
     return min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", ()))])
 
 
-def run_page(page: str, workdir: Path) -> None:
+def run_page(page: str, workdir: Path) -> int:
+    """Run ``page``'s python blocks in order (raising on the first that fails or prints
+    other than documented); return how many ran as documented."""
     blocks = [b for b in blocks_of(page) if b.lang == "python"]
     if not blocks:
-        return
+        return 0
     slug = re.sub(r"\W", "_", page.removesuffix(".md"))
     n_lines = len((ROOT / page).read_text(encoding="utf-8").splitlines())
     source_lines = [""] * (n_lines + 1)
@@ -222,6 +224,7 @@ def run_page(page: str, workdir: Path) -> None:
     module = types.ModuleType(f"docs_{slug}")
     module.__file__ = str(path)
     sys.modules[module.__name__] = module
+    ran = 0
     try:
         for b in blocks:
             if b.marker and b.marker.startswith("xfail "):
@@ -234,8 +237,10 @@ def run_page(page: str, workdir: Path) -> None:
                     f"now runs as documented: the bug is fixed, remove the marker."
                 )
             _run_block(b, module, path, source_lines)
+            ran += 1
     finally:
         sys.modules.pop(module.__name__, None)
+    return ran
 
 
 def _run_block(b: Block, module: types.ModuleType, path: Path, source_lines: list[str]) -> None:
@@ -304,7 +309,8 @@ def _is_slow(page: str) -> bool:
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if _is_slow(p) else p for p in PAGES])
 def test_page(page, page_env):
-    run_page(page, page_env)
+    expected = [b for b in blocks_of(page) if b.lang == "python" and not (b.marker or "").startswith("xfail ")]
+    assert run_page(page, page_env) == len(expected)
 
 
 # -- conventions and markers (fast) ----------------------------------------------------------
