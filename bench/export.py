@@ -1,7 +1,6 @@
 """Latency of the exported inference program against ``nitro.predict`` on the same batch.
 
-The tutorial's model shape (an MLP 784-128-10, defined here so the bench does not depend on
-the example's module), a serving handle (``jn.Nitro(e, data={})``) whose width is set by a
+The tutorial's model (its ``MLP``, 784-128-10, imported from the example), a serving handle (``jn.Nitro(e, data={})``) whose width is set by a
 first predict of 100 rows, exported with ``nitro.export``. For batches of 1 and 100 rows,
 the median wall time per call (after warm-up) of:
 
@@ -18,28 +17,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
 
 import jaxnitro as jn
 from jaxnitro import GraphConst
 
-
-class MLP(eqx.Module):
-    encoder: eqx.nn.Linear
-    head: eqx.nn.Linear
-
-    def __init__(self, width: int, key):
-        k1, k2 = jax.random.split(key)
-        self.encoder = eqx.nn.Linear(784, width, key=k1)
-        self.head = eqx.nn.Linear(width, 10, key=k2)
-
-    def __call__(self, x):
-        return self.head(jax.nn.relu(self.encoder(x)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mnist"))
+from mnist_tutorial import MLP  # noqa: E402  the tutorial's network
 
 
 @jn.experiment
