@@ -10,8 +10,10 @@ first use, so a disabled plugin's names are simply absent.
 
 from __future__ import annotations
 
+from . import distributed
 from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enable_persistent_cache
 from .events import RunContext, StepStretch
+from .distributed import Dist, setup_devices
 from .experiment import compile_view, experiment, field
 from .export import load_exported
 from .handle import Nitro, train
@@ -32,6 +34,7 @@ _enable_from_env()  # JAXNITRO_COMPILATION_CACHE=<folder>: opt in to JAX's persi
 __all__ = [
     "CacheStats",
     "Device",
+    "Dist",
     "EMA",
     "GraphConst",
     "Host",
@@ -48,6 +51,7 @@ __all__ = [
     "check_batch_at",
     "clear_cache",
     "compile_view",
+    "distributed",
     "enable_persistent_cache",
     "experiment",
     "field",
@@ -59,6 +63,7 @@ __all__ = [
     "progress_note",
     "progress_reporter",
     "reload_plugins",
+    "setup_devices",
     "train",
     "with_progress_note",
 ]

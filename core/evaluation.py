@@ -43,9 +43,22 @@ def stages_on_device() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def _dist(nitro):
+    """The handle's :class:`~jaxnitro.distributed.Dist`, or None (one device, one process)."""
+    dist = getattr(nitro.plan, "dist", None)
+    return dist if dist is not None and dist.sharded else None
+
+
 def make_transfer(nitro, hooks):
-    """The host->device transfer of exactly the fields ``hooks`` declare (others never leave the host)."""
+    """The host->device transfer of exactly the fields ``hooks`` declare (others never leave the host).
+
+    On several devices (``n_devs`` > 1, or several processes) every field is placed sharded
+    on its first dimension over the data mesh (in a multi-process job: this process's rows
+    of the global batch, ``jax.make_array_from_process_local_data``)."""
     fields = _device_fields(nitro, hooks)
+    dist = _dist(nitro)
+    if dist is not None:
+        return lambda batch: dist.put_batch({f: batch[f] for f in fields if f in batch})
     if not stages_on_device():
         return lambda batch: {f: batch[f] for f in fields if f in batch}
     put = jax.device_put
@@ -60,8 +73,9 @@ def eval_key_entries(nitro) -> dict:
 def _check_width(nitro, n: int, what: str) -> None:
     if n == 0:
         raise ValueError(f"jaxnitro: {what} has no rows; pass a batch with at least one row.")
-    if nitro.plan.width is None:
-        nitro.plan.width = n
+    if nitro.plan.width is None:  # on several devices: a multiple of their count
+        dist = _dist(nitro)
+        nitro.plan.width = dist.pad_width(n) if dist is not None else n
     elif n > nitro.plan.width:
         raise ValueError(
             f"jaxnitro: {what} has {n} rows, wider than the compiled batch width {nitro.plan.width}. "
@@ -101,6 +115,11 @@ def evaluate_split(nitro, split: str) -> dict:
         (KEY_DATA, KEY_COUNT) if nitro.plan.routes["forward"].wants_key else ()
     )
     to_device = jax.device_put if stages_on_device() else (lambda b: b)
+    dist = _dist(nitro)
+    params, model_state = nitro.state.eval_params, nitro.model_state
+    if dist is not None:  # this process's devices; its rows of the split
+        to_device = dist.put_local_batch
+        params, model_state, dev = dist.local((params, model_state, dev))
 
     def stage(batch):
         n, w, inputs = _staged_for_forward(nitro, batch, staged_hooks, f"a batch of split `{split}`")
@@ -115,7 +134,7 @@ def evaluate_split(nitro, split: str) -> dict:
                     nitro.plan.routes[h].check(host_batch.keys(), f"the `{split}` split's first batch")
             first = False
         # the forward program sees exactly forward's fields, as in predict: one program for both
-        outputs = forward.jitted(nitro.state.eval_params, nitro.model_state, dev, {f: inputs[f] for f in forward_fields})
+        outputs = forward.jitted(params, model_state, dev, {f: inputs[f] for f in forward_fields})
         if device_metrics:
             fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()} if n < w else inputs
             res = jax.device_get(metrics_prog.jitted(dev, slice_outputs(outputs, n, w), fields))
@@ -131,6 +150,11 @@ def evaluate_split(nitro, split: str) -> dict:
                 loss_batch = {**host_batch, KEY: jax.random.fold_in(nitro.state.rng, 0)}
             value = nitro.plan.hooks["loss"].function(progs.view(dev), host_out, **nitro.plan.routes["loss"].select(loss_batch))
             acc.add({"loss": (np.asarray(value), 1)})
+    if dist is not None and dist.multi_process:  # every process's share, merged in process order
+        acc, shares = MetricAccumulator(), dist.allgather_objects((acc, not first))
+        for share, _ in shares:
+            acc.merge(share)
+        first = not any(read for _, read in shares)
     if first:
         warnings.warn(
             f"jaxnitro: the `{split}` split yielded no batches, so it has no metrics (the result is "
@@ -174,9 +198,14 @@ def predict_batch(nitro, batch):
     host = {f: np.asarray(batch[f]) for f in route.fields if f in batch}  # only what forward takes
     check_predict_fields(nitro, host)
     n, w, inputs = _staged_for_forward(nitro, host, ("forward",), "the prediction batch")
-    outputs = nitro.plan.programs.forward().jitted(
-        nitro.state.eval_params, nitro.model_state, nitro.device_values, jax.device_put(inputs)
-    )
+    params, model_state, dev = nitro.state.eval_params, nitro.model_state, nitro.device_values
+    dist = _dist(nitro)
+    if dist is not None:  # on this process's devices
+        params, model_state, dev = dist.local((params, model_state, dev))
+        inputs = dist.put_local_batch(inputs)
+    else:
+        inputs = jax.device_put(inputs)
+    outputs = nitro.plan.programs.forward().jitted(params, model_state, dev, inputs)
     return slice_outputs(jax.device_get(outputs), n, w)
 
 

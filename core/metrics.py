@@ -110,6 +110,34 @@ class MetricAccumulator:
             else:
                 self._totals[name].append(value)
 
+    def merge(self, other: "MetricAccumulator") -> None:
+        """Fold ``other``'s batches in after this one's (another process's share of a split):
+        the result is what one accumulator would give had it seen both shares' batches, in
+        this order (``"concat"`` keeps it)."""
+        for name, mode in other._modes.items():
+            known = self._modes.setdefault(name, mode)
+            if known != mode:
+                raise ValueError(
+                    f"jaxnitro: metric `{name}` has mode {known!r} on one process and {mode!r} on "
+                    f"another; a metric keeps one mode for the whole split."
+                )
+            theirs = other._totals[name]
+            if name not in self._totals:
+                self._totals[name] = list(theirs) if mode == "concat" else theirs
+                if mode == "count":
+                    self._counts[name] = other._counts[name]
+            elif mode == "count":
+                self._totals[name] = self._totals[name] + theirs
+                self._counts[name] = self._counts[name] + other._counts[name]
+            elif mode == "sum":
+                self._totals[name] = self._totals[name] + theirs
+            elif mode == "max":
+                self._totals[name] = np.maximum(self._totals[name], theirs)
+            elif mode == "min":
+                self._totals[name] = np.minimum(self._totals[name], theirs)
+            else:
+                self._totals[name] = self._totals[name] + list(theirs)
+
     def result(self) -> dict:
         out = {}
         for name, mode in self._modes.items():

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from . import knobs as _knobs
 from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
+from .distributed import check_batch_divides, check_n_devs, make_dist, split_for_process
 from .experiment import check_traced_code, fields_of, is_experiment, to_device_value
 from .knobs import Settings
 from .logger import check_logger_knob
@@ -70,12 +71,15 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     e = experiment
     hooks = resolve_hooks(e, Defaults())
     settings = _settings(e, kwargs)
+    dist = make_dist(settings.n_devs)
     record = find_record(e, kwargs, settings.run_dir, _monitor(e, hooks))  # weights= / resume= checkpoints
     steps.to("building data")
-    data, e, derived = _load_data(e, hooks, kwargs, steps, record)
+    data, e, derived = _load_data(e, hooks, kwargs, steps, record, dist)
     steps.to("checking splits")
     plan = _check_splits(hooks, data, settings)
     plan.derived = derived
+    plan.dist = dist
+    check_batch_divides(plan.width if "train" in data else None, dist)
     steps.to("building model")
     state, initial = _build_model(e, plan, settings, kwargs.get("weights"), record)
     device_values = {
@@ -97,6 +101,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         )
     settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
+    state, device_values = dist.replicate(state), dist.replicate(device_values)  # n_devs > 1: on every device
     return Built(e, settings, data, plan, state, device_values)
 
 
@@ -116,17 +121,14 @@ def _check_call(experiment, kwargs: dict) -> None:
 def _settings(e, kwargs: dict) -> Settings:
     knobs = _knobs.resolve_knobs(e, kwargs)
     check_ema_knob(knobs["ema"].value, knobs["ema"].source)
-    if knobs["n_devs"].value not in (None, 1):
-        raise NotImplementedError(
-            "jaxnitro: n_devs > 1 (data parallel) is not available in this version yet; use "
-            "n_devs=1 or leave it unset."
-        )
+    n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
     logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
-    return _knobs.make_settings(knobs, logger=logger, monitor=None)
+    return dataclasses.replace(_knobs.make_settings(knobs, logger=logger, monitor=None), n_devs=n_devs)
 
 
-def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None):
-    """Take ``data=`` or call ``build_data``; wrap each split; run ``derive`` (or, with weights
+def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None, dist=None):
+    """Take ``data=`` or call ``build_data`` (with ``dist`` in a multi-process job, else None);
+    take each split's part for this process; wrap each split; run ``derive`` (or, with weights
     from a checkpoint ``record``, restore the values it derived). Returns ``(data, experiment
     with the derived values merged, the derived values)`` (host values)."""
     if kwargs.get("data") is not None:
@@ -138,10 +140,10 @@ def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None):
                 f"given. Define `def build_data(self, dist) -> dict` returning the splits, or "
                 f"pass `Nitro(e, data={{'train': ..., 'val': ...}})` (`data={{}}` to only predict)."
             )
-        raw = hooks["build_data"].function(e, None)
+        raw = hooks["build_data"].function(e, dist if dist is not None and dist.multi_process else None)
     if not isinstance(raw, Mapping):
         raise TypeError(f"jaxnitro: the data must be a dict {{split: source}}, got {type(raw).__name__}.")
-    data = {str(s): wrap_split(src, str(s)) for s, src in raw.items()}
+    data = {str(s): wrap_split(split_for_process(src, str(s), dist), str(s)) for s, src in raw.items()}
     if record is not None:  # the record's derived values, and `derive` is skipped
         derived = derived_values(e, record)
         return data, attrs.evolve(e, **derived), derived

@@ -104,6 +104,8 @@ class Plan:
     - ``derived``: what ``derive`` returned (or the record restored), ``{field: host value}``;
     - ``anchor_from``: what ``decay_anchor = "w0"`` groups decay toward, in words;
     - ``resumed``: for ``resume=``, where the run continues from (:class:`ResumePoint`), else None;
+    - ``dist``: where the handle runs (:class:`~jaxnitro.distributed.Dist`: the data mesh over
+      ``n_devs`` devices and the processes of the job);
     - ``weights_meta``: the checkpoint record's metadata (``step``, ``epoch``, ``metrics``, ...)
       when the weights came from a checkpoint (``weights=``, ``resume=``), else None.
     """
@@ -124,6 +126,7 @@ class Plan:
     anchor_from: str = "build_model"
     resumed: "ResumePoint | None" = None
     weights_meta: dict | None = None
+    dist: Any = None
 
 
 @dataclass(frozen=True)

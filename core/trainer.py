@@ -172,6 +172,10 @@ class _Run:
         o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.step_prog = progs.train_step(nitro.plan.opt_spec, nitro.plan.tx, o_def)
         self.scale = jax.device_put(np.float32(1.0 / self.accum))
+        dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
+        self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
+        if dist is not None:
+            self.scale = dist.replicate(self.scale)
         # steps_per_dispatch: k optimizer steps per dispatch (one lax.scan program); batches
         # then stay on the host until a block of k * accum is stacked and sent at once
         self.k = nitro.settings.steps_per_dispatch
@@ -307,6 +311,9 @@ class _Run:
         block_dev = {n: v for n, v in dev.items() if n not in scheds.device}
         extra, accum, size = self.extra, self.accum, k * self.accum
         put = jax.device_put if stages_on_device() else None
+        one = None  # the remainder's single batches: numpy, or sharded on the mesh
+        if self.dist is not None:  # a block's batch dimension is its third: [k, accum, batch, ...]
+            put, one = (lambda b: self.dist.put_batch(b, axis=2)), self.dist.put_batch
         params, mstate, opt_state = nitro.state.leaves()
         step = nitro.step
         self.epoch_first_step[epoch] = step + 1
@@ -338,6 +345,8 @@ class _Run:
                     outcome = Outcome.DIVERGED
             acc, micro = None, 0
             for batch in group if outcome is Outcome.COMPLETE else ():  # the remainder, one step a dispatch
+                if one is not None:
+                    batch = one(batch)
                 if extra:
                     batch = {**batch, **extra}
                 if micro < accum - 1:
