@@ -21,6 +21,7 @@ from .history import MetricHistory
 from .hookspecs import hookimpl, hookspec
 from .knobs import Settings
 from .logger import backend, logger_info
+from .manual import Optimizers
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
@@ -41,6 +42,7 @@ __all__ = [
     "MetricHistory",
     "Nitro",
     "NoPrefetch",
+    "Optimizers",
     "PrefetchIterator",
     "RunContext",
     "Settings",

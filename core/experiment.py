@@ -299,8 +299,8 @@ def experiment(cls=None, /):
 
 # -- names: fields, hooks, knob methods ----------------------------------------
 
-RESERVED_HOOKS = ("train_step",)
-"""Hook names reserved for features not available yet (manual training)."""
+RESERVED_HOOKS: tuple[str, ...] = ()
+"""Hook names reserved for features not available yet (none at present)."""
 
 _RENAMED = {"learning_rate": "lr", "weight_decay": "wd", "monitor": "monitored"}
 
@@ -346,14 +346,6 @@ def _check_member_names(cls, infos: dict) -> dict:
                 f"named like the experiment hook `{field}`. Hooks are methods, so the field would "
                 f"be silently ignored. Rename the field and return it from the hook: "
                 f"`{new}: <type> = ...` and `def {hook}: return self.{new}`."
-            )
-    for klass in cls.__mro__:
-        if "train_step" in klass.__dict__:
-            raise NotImplementedError(
-                f"jaxnitro: {name} defines `train_step` (in {klass.__name__}), the manual-training "
-                f"hook, which is not available in this version yet: the automatic loop would "
-                f"silently ignore it. Remove it and express the step with `forward` and `loss` "
-                f"(`optimizer`, `param_group` and `learning_rate_ratio` for per-group rules)."
             )
     own = cls.__dict__.get("__annotations__", {})
     kept = {}
@@ -513,7 +505,7 @@ def _experiment_repr_html(self) -> str:
 def check_traced_code(e, hooks: dict, metrics_on_device: bool) -> None:
     """At setup: refuse identity tests on Host fields in the traced hooks (and the methods they
     call), see :func:`jaxnitro.markers.check_traced_host_use`."""
-    traced = ("forward", "loss", "train_metrics") + (("metrics",) if metrics_on_device else ())
+    traced = ("forward", "loss", "train_metrics", "train_step") + (("metrics",) if metrics_on_device else ())
     functions = {h: hooks[h].function for h in traced if h in hooks and hooks[h].source != "default"}
     host = [n for n, i in fields_of(e).items() if i.is_host]
     check_traced_host_use(type(e), functions, host)

@@ -101,7 +101,9 @@ class MetricHistory:
 
     - ``rows``: one mapping per validated epoch, in epoch order (strictly
       increasing ``epoch``). Each has ``epoch`` and ``step`` (integers) and
-      normally ``train_loss`` (float; NaN allowed, missing reads as NaN), plus
+      normally ``train_loss`` (float; NaN allowed, missing reads as NaN; a run with
+      a ``train_step`` hook has ``train_<name>`` columns instead, and ``train_loss``
+      only when the step returns a ``loss``), plus
       metrics: Python/NumPy/JAX scalars or arrays. Rows may carry different
       keys; a scalar metric missing from a row reads as NaN there, an array
       metric as ``None``. Values are copied in: NumPy scalars become Python
@@ -117,7 +119,8 @@ class MetricHistory:
     - ``resumed_from``: the epoch a resumed run continued from; a footer says
       that earlier epochs are not in this history.
 
-    **Columns** are ordered ``epoch, step, train_loss``, then the monitored
+    **Columns** are ordered ``epoch, step, train_loss`` (left out when no row has it
+    and the rows have other ``train_*`` columns), then the monitored
     metric if any row has it, then the others in the order they first appear.
     A column is *scalar* when every value in it is a real number; other columns
     (arrays, strings) are reachable but not tabulated.
@@ -210,6 +213,8 @@ class MetricHistory:
                 seen.setdefault(str(key), None)
 
         columns = list(_FIXED)
+        if "train_loss" not in seen and any(c.startswith("train_") for c in seen):
+            columns.remove("train_loss")  # a train_step's train_<name> columns instead
         if monitor is not None and monitor[0] in seen and monitor[0] not in columns:
             columns.append(monitor[0])
         columns += [c for c in seen if c not in columns]
@@ -218,7 +223,7 @@ class MetricHistory:
         scalar = {
             c: all(r.get(c) is None or _is_number(r[c]) for r in raw) for c in columns
         }
-        scalar.update(epoch=True, step=True, train_loss=True)
+        scalar.update({c: True for c in _FIXED if c in columns})
 
         normalized: list[dict[str, Any]] = []
         previous: int | None = None

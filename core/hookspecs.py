@@ -78,7 +78,10 @@ def derive(self, data):
 def build_model(self, key):
     """Return an Equinox model, or ``(model, state)`` from ``eqx.nn.make_with_state``.
 
-    ``key`` is a ``jax.random`` key derived from the run's ``seed``.
+    ``key`` is a ``jax.random`` key derived from the run's ``seed``. The model may be
+    a dict of named Equinox modules (``{"generator": g, "discriminator": d}``): each
+    model's parameters then form their own group(s) and get their own optimizer
+    (see ``param_group``), which a ``train_step`` applies by name.
     """
 
 # -- traced hooks -----------------------------------------------------
@@ -110,6 +113,23 @@ def train_metrics(self, outputs, batch):
     """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program."""
 
 @hookspec(firstresult=True)
+def train_step(self, models, optimizers, batch):
+    """Manual training: one optimizer step written by the experiment (traced).
+
+    ``models`` is what ``build_model`` returned (a dict of named Equinox modules,
+    or one module), in training mode; ``optimizers`` is a
+    :class:`jaxnitro.Optimizers`: ``optimizers.update(grads, model, name=...)``
+    applies the named model's optimizer (its groups' rules, learning rates and
+    schedules) and returns ``(updated model, updated optimizers)``. Batch fields
+    arrive as keyword-only arguments; ``key`` (keyword-only) is a fresh PRNG key
+    per step. Returns ``(models, optimizers, {name: scalar})``: the scalars are
+    logged as train lines (``loss`` becomes the history's ``train_loss``, every
+    other ``name`` a ``train_<name>`` column), and a non-finite one stops the run
+    as diverged. An experiment defining ``train_step`` defines no ``loss``
+    (``metrics`` reports validation) and uses ``accum = 1``.
+    """
+
+@hookspec(firstresult=True)
 def finalize_metrics(self, acc, split):
     """Host-side: turn the reduced split metrics ``acc`` into what is reported.
 
@@ -128,7 +148,11 @@ def metrics_residency(self, hook):
 
 @hookspec(firstresult=True)
 def param_group(self, keypath):
-    """Return the group name of the parameter at ``keypath`` (a tuple of str/int)."""
+    """Return the group name of the parameter at ``keypath`` (a tuple of str/int).
+
+    Default: ``"default"``; when ``build_model`` returns a dict of models, the model's
+    name (``keypath[0]``), so each model gets its own optimizer.
+    """
 
 @hookspec(firstresult=True)
 def learning_rate(self):
@@ -358,7 +382,7 @@ class LifecycleSpec:
 
 EXPERIMENT_HOOKS = (
     "build_data", "derive", "build_model", "forward", "loss", "metrics", "train_metrics",
-    "finalize_metrics", "metrics_residency", "param_group", "learning_rate",
+    "train_step", "finalize_metrics", "metrics_residency", "param_group", "learning_rate",
     "learning_rate_ratio", "weight_decay", "optimizer", "decay_anchor", "monitor",
 )
 """Names of the experiment hooks, in contract order."""

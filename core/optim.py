@@ -34,7 +34,7 @@ from .cache import stable_key
 
 __all__ = [
     "GroupSpec", "OptimizerSpec", "HyperLayout", "AnchorState", "EmaState", "keypath_of",
-    "build_optimizer_spec", "init_opt_state", "split_ema", "join_ema", "ema_of", "rule_state_of",
+    "build_optimizer_spec", "init_opt_state", "with_ema", "split_ema", "join_ema", "ema_of", "rule_state_of",
 ]
 
 HYPERS = ("learning_rate", "weight_decay")
@@ -221,9 +221,13 @@ def init_opt_state(spec: OptimizerSpec, tx, params, anchor=None):
         state = jax.tree_util.tree_map(
             lambda cur, a: a if is_anchor(cur) else cur, state, from_anchor, is_leaf=is_anchor
         )
-    if spec.ema:
-        state = (state, EmaState(_copy(params)))
-    return state
+    return with_ema(state, params, spec)
+
+
+def with_ema(rules, params, spec: "OptimizerSpec"):
+    """``(rules, EmaState(a copy of params))`` when ``spec`` keeps an EMA (the average starts
+    at ``params``), else ``rules``."""
+    return (rules, EmaState(_copy(params))) if spec.ema else rules
 
 
 def split_ema(opt_state, spec: OptimizerSpec):
@@ -288,6 +292,8 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
     """
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     group_of = hooks["param_group"].function
+    if isinstance(params, dict) and hooks["param_group"].source == "default":
+        group_of = lambda _e, keypath: str(keypath[0])  # noqa: E731  (a dict of models: one group each)
     names = []
     counts: dict[str, int] = {}
     for path, leaf in leaves_with_paths:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from .cache import Program, get_program, stable_key
 from .experiment import make_view
+from .manual import Optimizers, check_step_result
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
@@ -210,7 +211,7 @@ class ProgramSet:
     # -- programs ---------------------------------------------------------------
 
     def train_key(self) -> tuple:
-        return self._base_key + self._hook_key("forward", "loss", "train_metrics") + (
+        return self._base_key + self._hook_key("forward", "loss", "train_metrics", "train_step") + (
             stable_key(self.param_def),
             stable_key(self.state_def),
         )
@@ -245,6 +246,8 @@ class ProgramSet:
 
     def _train_step_fn(self, opt: OptimizerSpec, tx, opt_def, meta) -> Callable:
         """The body of :meth:`train_step` (also traced inside :meth:`train_block`)."""
+        if "train_step" in self.hooks:
+            return self._manual_step_fn(opt, tx, opt_def, meta)
         p_def, s_def = self.param_def, self.state_def
 
         def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
@@ -269,6 +272,31 @@ class ProgramSet:
             opt_state = join_ema(rule_state, ema, opt)
             leaves = jax.tree_util.tree_leaves
             return leaves(params), leaves(new_state), leaves(opt_state), aux * scale
+
+        return train_step
+
+    def _manual_step_fn(self, opt: OptimizerSpec, model_opts, opt_def, meta) -> Callable:
+        """The train-step body of an experiment with its own ``train_step`` hook: the same
+        signature as the automatic body (``acc`` and ``scale`` unused: ``accum`` is 1), so the
+        loop, ``train_block`` and the cache treat both alike. ``model_opts`` is the
+        :class:`~jaxnitro.manual.ModelOptimizers` setup made (``plan.tx``); ``aux`` holds the
+        returned scalars, their names in ``meta["aux_names"]``."""
+        p_def, name = self.param_def, self.cls.__name__
+
+        def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
+            batch = with_key(batch)
+            params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+            rules, ema = split_ema(jax.tree_util.tree_unflatten(opt_def, o_leaves), opt)
+            models = eqx.combine(params, self.skeleton.static)
+            res = self._hook("train_step")(
+                self.view(dev), models, Optimizers(model_opts, rules, hypers),
+                **self.routes["train_step"].select(batch),
+            )
+            params, rules, meta["aux_names"], aux = check_step_result(res, name, p_def, model_opts)
+            if ema is not None:
+                ema = update_ema(ema, params, hypers[opt.layout.ema_index])
+            leaves = jax.tree_util.tree_leaves
+            return leaves(params), s_leaves, leaves(join_ema(rules, ema, opt)), aux
 
         return train_step
 

@@ -26,7 +26,8 @@ from .distributed import check_batch_divides, check_n_devs, make_dist, split_for
 from .experiment import check_traced_code, fields_of, is_experiment, to_device_value
 from .knobs import Settings
 from .logger import check_logger_knob
-from .optim import build_optimizer_spec, init_opt_state
+from .manual import check_manual_experiment, split_optimizer
+from .optim import build_optimizer_spec, init_opt_state, with_ema
 from .plugin_manager import resolve_hooks
 from .programs import ProgramSet, split_model
 from .progress import SetupSteps
@@ -49,7 +50,7 @@ from .weights import check_keywords as check_weight_keywords
 
 __all__ = ["Built", "build", "TRACED_HOOKS"]
 
-TRACED_HOOKS = ("forward", "loss", "train_metrics", "metrics")
+TRACED_HOOKS = ("forward", "loss", "train_metrics", "train_step", "metrics")
 """Hooks whose keyword-only parameters are routed batch fields."""
 
 
@@ -170,7 +171,7 @@ def _check_splits(hooks: dict, data: dict, settings: Settings) -> Plan:
         plan.width = check_train_split(data["train"], settings.accum)
         first = peek(data["train"])
         if first is not None:
-            for h in ("forward", "loss", "train_metrics"):
+            for h in ("forward", "loss", "train_metrics", "train_step"):
                 if h in routes:
                     routes[h].check(first.keys())
             plan.batch_fields = tuple(first.keys())
@@ -277,11 +278,15 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
     ``anchor``: the weights ``decay_anchor = "w0"`` groups decay toward when they are not
     the current params (``build_model``'s, after ``weights=`` without ``w0="weights"``)."""
     hooks = plan.hooks
+    manual = "train_step" in hooks
+    if manual:
+        check_manual_experiment(type(e).__name__, hooks, settings.accum, state.model_state)
     if "train" in data:
-        if "loss" not in hooks:
+        if "loss" not in hooks and not manual:
             raise TypeError(
                 f"jaxnitro: {type(e).__name__} has a `train` split but no `loss` hook; define "
-                f"`def loss(self, outputs, *, <batch fields>) -> scalar`."
+                f"`def loss(self, outputs, *, <batch fields>) -> scalar` (or write the whole step "
+                f"in a `train_step` hook)."
             )
         ema_decay = check_ema_knob(settings.ema, settings.source("ema"))
         plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
@@ -290,8 +295,13 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
             hooks["learning_rate"].function(e),
             f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
         )
-        plan.tx = plan.opt_spec.transformation()
-        state = state.replace(opt_state=init_opt_state(plan.opt_spec, plan.tx, state.params, anchor))
+        if manual:  # one optimizer per model, applied by the experiment's train_step
+            plan.tx = split_optimizer(plan.opt_spec, state.params)
+            opt_state = with_ema(plan.tx.init(state.params, anchor), state.params, plan.opt_spec)
+        else:
+            plan.tx = plan.opt_spec.transformation()
+            opt_state = init_opt_state(plan.opt_spec, plan.tx, state.params, anchor)
+        state = state.replace(opt_state=opt_state)
     group_names = tuple(g.name for g in plan.opt_spec.groups) if plan.opt_spec else ()
     device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
     plan.bindings = bind_schedules(settings.schedules, device_fields, group_names)

@@ -103,7 +103,9 @@ def run_training(nitro) -> None:
             record.status = "running"
             record.run_dir = run_folder_of(nitro)
             run = RunContext(nitro, record.run_dir)
-            record.loggers = run.loggers = make_loggers(nitro.settings.logger, record.run_dir, nitro.experiment)
+            dist = nitro.plan.dist
+            logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
+            record.loggers = run.loggers = make_loggers(logger, record.run_dir, nitro.experiment)
             with run_scoped([LoggerRelay(logger, run) for logger in run.loggers]):
                 try:
                     emit("jaxnitro_run_start", run=run)
@@ -130,6 +132,9 @@ def run_folder_of(nitro) -> str:
     resumed = nitro.plan.resumed
     if resumed is not None and resumed.continue_folder and resumed.run_folder and os.path.isdir(resumed.run_folder):
         return resumed.run_folder
+    dist = nitro.plan.dist
+    if dist is not None and dist.multi_process:  # one folder for the job: process 0 makes it
+        return dist.from_main(new_run_folder(nitro.settings.run_dir) if dist.is_main else None)
     return new_run_folder(nitro.settings.run_dir)
 
 
@@ -138,6 +143,10 @@ def _status_of(exc: BaseException) -> str:
     if isinstance(exc, Terminated):
         return "terminated"
     return "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+
+
+TRAIN_HOOKS = ("forward", "loss", "train_metrics", "train_step")
+"""The traced hooks of the train-step programs: their fields are transferred for training."""
 
 
 class Outcome(enum.Enum):
@@ -181,7 +190,7 @@ class _Run:
         self.k = nitro.settings.steps_per_dispatch
         self.read_every, self.max_pending = READ_EVERY, MAX_PENDING  # in pending entries
         self.block_prog, self.extra = None, {}
-        hooks = ("forward", "loss", "train_metrics")
+        hooks = TRAIN_HOOKS
         keyed = any(nitro.plan.routes[h].wants_key for h in hooks if h in nitro.plan.routes)
         if self.k > 1:
             self.block_prog = progs.train_block(nitro.plan.opt_spec, nitro.plan.tx, o_def)
@@ -204,7 +213,7 @@ class _Run:
         self.first_unread = nitro.step + 1  # the step number of pending[0]
         self.epoch_ends: list[tuple[int, int]] = []  # (epoch, its last step), rows not yet appended
         self.epoch_first_step: dict[int, int] = {}  # epoch -> its first step (to re-read a batch)
-        self.losses: list[float] = []  # read losses of the oldest epoch without a row
+        self.epoch_values: list[list[float]] = []  # read step scalars of the oldest epoch without a row
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -411,38 +420,56 @@ class _Run:
         else:  # [k, n] blocks and the remainder's [n] vectors
             values = np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in ready]).tolist()
         check = nitro.settings.check_divergence
+        names = self._aux_names()
+        # the automatic step checks its loss; a train_step's every returned scalar
+        checked = slice(None) if "train_step" in nitro.plan.hooks else slice(0, 1)
         first, rows, epochs, closed, diverged = self.first_unread, [], [], [], False
         for row in values:
             s = self.first_unread
             epoch = self.epoch_ends[0][0] if self.epoch_ends else nitro.epoch
-            loss = row[0]
-            if check and not math.isfinite(loss):
+            bad = [n for n, v in zip(names[checked], row[checked]) if not math.isfinite(v)] if check else []
+            if bad:
                 nitro.record.diverged_at = (s, epoch)
+                self.diverged_names = tuple(bad)
                 diverged = True
                 break
             self.first_unread += 1
-            self.losses.append(loss)
+            self.epoch_values.append(row)
             rows.append(row)
             epochs.append(epoch)
             if self.epoch_ends and s == self.epoch_ends[0][1]:
                 closed.append(self._close_epoch())
         if rows:
-            names = self.step_prog.meta.get("aux_names") or (
-                self.block_prog.meta.get("aux_names") if self.block_prog else None
-            ) or ("loss",)
-            stretch = StepStretch(first, tuple(names), rows, epochs, self.logged_sched)
+            stretch = StepStretch(first, names, rows, epochs, self.logged_sched)
             emit("jaxnitro_steps_read", run=self.run_ctx, stretch=stretch)
         for row in closed:
             self._emit_unvalidated_end(row)
         return diverged
 
+    def _aux_names(self) -> tuple[str, ...]:
+        """The names of a step's scalars (``loss`` and ``train_metrics``, or what ``train_step``
+        returned), known once a train program has been traced."""
+        names = self.step_prog.meta.get("aux_names") or (
+            self.block_prog.meta.get("aux_names") if self.block_prog else None
+        )
+        return tuple(names or ("loss",))
+
+    def _train_columns(self) -> dict:
+        """The epoch's train columns from the read step scalars: ``train_loss`` (the mean loss);
+        with ``train_step``, ``train_<name>`` for every scalar it returned (``loss`` included)."""
+        values, names = self.epoch_values, self._aux_names()
+        if "train_step" not in self.nitro.plan.hooks:
+            return {"train_loss": float(np.mean([v[0] for v in values])) if values else float("nan")}
+        means = np.mean(np.asarray(values, np.float64), axis=0) if values else [float("nan")] * len(names)
+        return {f"train_{n}": float(m) for n, m in zip(names, means)}
+
     def _close_epoch(self) -> dict:
         """Append and return the history row of the oldest finished epoch whose steps have all
         been read."""
         epoch, last = self.epoch_ends.pop(0)
-        row = {"epoch": epoch, "step": last, "train_loss": float(np.mean(self.losses))}
+        row = {"epoch": epoch, "step": last, **self._train_columns()}
         self.nitro.record.rows.append(row)
-        self.losses = []
+        self.epoch_values = []
         return row
 
     def _emit_unvalidated_end(self, row: dict) -> None:
@@ -457,7 +484,12 @@ class _Run:
         """Record the divergence (warning, stop reason, a last row); return ``"diverged"``."""
         record = self.nitro.record
         step, epoch = record.diverged_at
-        record.stop_reason = f"non-finite loss at step {step}"
+        manual = "train_step" in self.nitro.plan.hooks
+        what = (
+            f"train_step's scalar(s) {', '.join(map(repr, getattr(self, 'diverged_names', ())))}"
+            if manual else "the loss"
+        )
+        record.stop_reason = f"non-finite {'scalar' if manual else 'loss'} at step {step}"
         bad_input = self._nonfinite_input(step, epoch)
         if bad_input is not None:
             record.stop_reason += f" ({bad_input})"
@@ -465,13 +497,12 @@ class _Run:
         else:
             advice = "Lower the learning rate, add gradient_clip_norm, or check the loss for log(0) / overflow."
         warnings.warn(
-            f"jaxnitro: the loss became non-finite at step {step} (epoch {epoch}); the run stopped "
+            f"jaxnitro: {what} became non-finite at step {step} (epoch {epoch}); the run stopped "
             f"with status 'diverged'. {advice}",
             RuntimeWarning,
             stacklevel=5,
         )
-        train_loss = float(np.mean(self.losses)) if self.losses else float("nan")
-        record.rows.append({"epoch": epoch, "step": step, "train_loss": train_loss})
+        record.rows.append({"epoch": epoch, "step": step, **self._train_columns()})
         return "diverged"
 
     def _nonfinite_input(self, step: int, epoch: int) -> str | None:
@@ -484,7 +515,7 @@ class _Run:
             return None
         batch_at, begin_epoch = accessors(source)
         begin_epoch(epoch)
-        hooks = ("forward", "loss", "train_metrics")
+        hooks = TRAIN_HOOKS
         fields = {f for h in hooks if h in self.nitro.plan.routes for f in self.nitro.plan.routes[h].fields}
         for index in range((step - first) * self.accum, (step - first + 1) * self.accum):
             batch = batch_at(index)

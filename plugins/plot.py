@@ -129,7 +129,7 @@ def plot(history, *, metrics=None, x: str = "epoch", ax=None, title: str | None 
     monitor = history.monitor[0] if history.monitor else None
     train = _train_lines(history) if x == "step" else []
     for axis, name in zip(axes, names):
-        per_step = "loss" if name == "train_loss" else name
+        per_step = name[len("train_"):] if name.startswith("train_") else name  # train_loss -> loss
         steps = [t for t in train if per_step in t]
         if steps:
             axis.plot([t["step"] for t in steps], [_number(t[per_step]) for t in steps],

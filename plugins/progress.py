@@ -323,7 +323,8 @@ class _RunDisplay:
         return f"{text} | {self.figures}" if self.figures else text
 
     def epoch_end(self, row: dict) -> None:
-        figures = [f"train_loss {row['train_loss']:.4g}"]
+        # the train columns: train_loss, or a train_step's train_<name> columns
+        figures = [f"{k} {v:.4g}" for k, v in row.items() if k.startswith("train_") and isinstance(v, float)][:3]
         value = row.get(self.monitor) if self.monitor else None
         if isinstance(value, (int, float)):
             figures.append(f"{self.monitor} {value:.4g}")

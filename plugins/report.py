@@ -194,6 +194,8 @@ def _bindings_band(nitro) -> Band:
 
 def _groups_band(nitro) -> Band:
     rows = []
+    per_model = getattr(nitro.plan.tx, "specs", None)  # a train_step experiment: one optimizer per model
+    model_of = {g.name: name for name, sp in zip(nitro.plan.tx.names, per_model) for g in sp.groups} if per_model else {}
     if nitro.plan.opt_spec is not None:
         opt = nitro.plan.bindings.opt
         for g in nitro.plan.opt_spec.groups:
@@ -202,8 +204,15 @@ def _groups_band(nitro) -> Band:
             rate = f"schedule x {g.ratio:g}" if lr_scheduled else f"{nitro.plan.base_lr * g.ratio:g}"
             decay = "schedule" if wd_scheduled else g.weight_decay
             anchor = f"w0 ({nitro.plan.anchor_from})" if g.anchor == "w0" else g.anchor
-            rows.append((g.name, rate, g.ratio, anchor, decay, g.rule_name, g.n_params))
-    return Band("parameter groups", ("group", "rate", "ratio", "anchor", "decay", "rule", "parameters"), rows)
+            row = (g.name, rate, g.ratio, anchor, decay, g.rule_name, g.n_params)
+            rows.append(row + ((_model_optimizer(model_of.get(g.name)),) if per_model else ()))
+    header = ("group", "rate", "ratio", "anchor", "decay", "rule", "parameters")
+    return Band("parameter groups", header + (("optimizer (train_step)",) if per_model else ()), rows)
+
+
+def _model_optimizer(name) -> str:
+    """The optimizer a train_step applies to a group: ``optimizers.update(..., name=...)``."""
+    return "the model's" if name is None else f"name={name!r}"
 
 
 def handle_bands(nitro) -> list[Band]:

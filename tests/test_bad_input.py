@@ -18,7 +18,7 @@ import jaxnitro as jn
 from jaxnitro import Device
 from jaxnitro.prefetch import SourceLengthError
 from jaxnitro.routing import BatchFieldError
-from tiny import N_CLASSES, Tiny, TinyCore, batches, make_arrays, tiny_data
+from tiny import N_CLASSES, Tiny, TinyCore, batches, fresh_tiny, make_arrays, tiny_data
 
 QUIET = dict(logger=None)
 DATA = tiny_data()
@@ -123,16 +123,11 @@ def test_method_named_like_a_non_knob_field_is_refused_at_decoration():
     assert "silently drop the method" in msg(err) and "redeclare the field with a new default" in msg(err)
 
 
-def test_train_step_is_refused_by_name():
-    with pytest.raises(NotImplementedError) as err:
-
-        @jn.experiment
-        class Manual(Tiny):
-            def train_step(self, model, batch):
-                return model
-
-    assert "Manual defines `train_step`" in msg(err) and "not available in this version yet" in msg(err)
-    assert "silently ignore it" in msg(err) and "`forward` and `loss`" in msg(err)
+def test_a_train_step_with_the_wrong_positionals_is_refused_by_name():
+    with pytest.raises(TypeError) as err:
+        jn.Nitro(fresh_tiny("Manual", train_step=lambda self, model, *, x: model)(), logger=None)
+    assert "hook `train_step` of Manual takes positional parameters ('self', 'model')" in msg(err)
+    assert "`train_step(self, models, optimizers, *, <batch fields>)`" in msg(err)
 
 
 # == numbers and flags =============================================================================
