@@ -1,4 +1,4 @@
-"""Schedules: binding keys to optimizer hyperparameters or Device fields, and materializing them.
+"""Schedules: binding keys to optimizer hyperparameters or Device fields, and evaluating them in stretches.
 
 ``schedules()`` returns ``{key: factory}``; each factory is called once with the
 run's total number of optimizer steps and returns ``schedule(step) -> value``
@@ -27,7 +27,7 @@ import numpy as np
 
 from .optim import HYPERS
 
-__all__ = ["Bindings", "StepValues", "bind_schedules", "materialize"]
+__all__ = ["Bindings", "ScheduleLog", "ScheduleStream", "StepValues", "bind_schedules", "materialize"]
 
 
 @dataclass
@@ -121,51 +121,168 @@ def bind_schedules(schedules, device_fields: dict, groups: tuple[str, ...]) -> B
     return b
 
 
-def materialize(factory, total: int, name: str) -> np.ndarray:
-    """Call ``factory(total)`` and evaluate the schedule at steps ``0 .. total-1`` as float32.
+#: Steps per stretch for a schedule evaluated in one call (an array call or a jitted vmap).
+BLOCK = 1024
+#: Steps per stretch for a schedule that cannot be traced (one Python call per step).
+SLOW_BLOCK = 64
+#: Steps spread over the horizon, evaluated with the first stretch, that decide whether a
+#: schedule varies (and so is logged) without evaluating the whole horizon.
+PROBES = 64
 
-    Tries one vectorized call on ``np.arange(total)`` (most optax schedules accept
-    arrays), then one jitted ``vmap`` over the steps (optax's one-cycle and other
-    piecewise schedules: about 0.1 s for 8,000 steps instead of about 1 ms a step), and
-    falls back to one call per step for a schedule that cannot be traced.
+
+class ScheduleStream:
+    """One bound schedule, evaluated in stretches of steps as training reaches them.
+
+    ``factory(total)`` is called once, here. Values are float32 and produced by
+    :meth:`values` a stretch at a time and cached: a stretch of :data:`BLOCK` steps
+    in one call when the schedule accepts an array of steps, else one jitted
+    ``jax.vmap`` over the step indices (compiled once: every call has the same
+    shape), else (a schedule that cannot be traced) one Python call per step in
+    stretches of :data:`SLOW_BLOCK`. The way is chosen on the first stretch and
+    kept. Steps past the horizon take the last step's value (``total - 1``).
+
+    The first stretch is evaluated at construction together with :data:`PROBES`
+    steps spread evenly over the horizon (and its last step); :attr:`varies` is
+    True when any of those values differ. Each stretch is checked with
+    :func:`check_schedule_values` when it is produced, so a NaN, infinite or (for
+    an optimizer hyperparameter) negative value raises when the stretch holding it
+    is first needed (at train start for the first stretch and the probes).
+
+    :attr:`evaluated` counts the step values computed so far (probes included):
+    it depends on the steps reached, never on the horizon's length.
     """
-    schedule = factory(total)
-    if not callable(schedule):
-        raise TypeError(
-            f"jaxnitro: schedule `{name}`'s factory returned {schedule!r}; it must return a "
-            f"function of the step."
-        )
-    steps = np.arange(total)
-    values = None
-    try:
-        values = np.asarray(schedule(steps), dtype=np.float32)
-        if values.shape != (total,):
-            values = None
-    except Exception:
-        pass
-    if values is None:  # e.g. optax's piecewise schedules: traceable, but not over an array
+
+    def __init__(self, factory, total: int, name: str):
+        self.name, self.total = name, max(int(total), 1)
+        schedule = factory(self.total)
+        if not callable(schedule):
+            raise TypeError(
+                f"jaxnitro: schedule `{name}`'s factory returned {schedule!r}; it must return a "
+                f"function of the step."
+            )
+        self.schedule = schedule
+        self.mode: str | None = None  # "array", "vmap" or "per-step", fixed by the first call
+        self._vmapped = None
+        self.evaluated = 0
+        self.blocks: dict[int, np.ndarray] = {}
+        self.block = min(BLOCK, self.total)
+        # PROBES distinct steps from the first to the last (fewer for a shorter horizon), so
+        # the first call's size is the same for every horizon of at least BLOCK steps
+        probes = np.unique(np.linspace(0, self.total - 1, min(PROBES, self.total)).round().astype(np.int64))
+        # the first stretch and the probes in one call, of the shape every later call has
+        steps = np.concatenate([np.arange(self.block, dtype=np.int64), probes])
+        self.width = len(steps)
+        values = self._fast(steps)
+        if values is None:  # a schedule that cannot be traced: one call per step, shorter stretches
+            self.mode, self.block = "per-step", min(SLOW_BLOCK, self.total)
+            steps = np.concatenate([np.arange(self.block, dtype=np.int64), probes])
+            values = self._per_step(steps)
+        self.evaluated += len(steps)
+        check_schedule_values(values, name, steps, self.total)
+        self.blocks[0] = values[: self.block]
+        self.varies = bool(values.min() != values.max())
+
+    def _fast(self, steps: np.ndarray):
+        """One array call, else one jitted vmap; None (mode unset) when neither works."""
         try:
-            values = np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(total)), dtype=np.float32)
-            if values.shape != (total,):
-                values = None
-        except Exception:
-            values = None
-    if values is None:  # a schedule that cannot be traced: one call per step
-        values = np.asarray([float(schedule(int(s))) for s in steps], dtype=np.float32)
-    return check_schedule_values(values, name)
+            out = np.asarray(self.schedule(steps), dtype=np.float32)
+            if out.shape == steps.shape:
+                self.mode = "array"
+                return out
+        except Exception:  # noqa: BLE001, S110 - any refusal means "not an array schedule"
+            pass
+        try:  # e.g. optax's piecewise schedules: traceable, but not over an array
+            vmapped = jax.jit(jax.vmap(self.schedule))
+            out = np.asarray(vmapped(jnp.asarray(steps, jnp.int32)), dtype=np.float32)
+            if out.shape == steps.shape:
+                self.mode, self._vmapped = "vmap", vmapped
+                return out
+        except Exception:  # noqa: BLE001, S110 - any refusal means "cannot be traced"
+            pass
+        return None
+
+    def _per_step(self, steps: np.ndarray) -> np.ndarray:
+        return np.asarray([float(self.schedule(int(s))) for s in steps], dtype=np.float32)
+
+    def _evaluate(self, steps: np.ndarray) -> np.ndarray:
+        """The checked values at ``steps`` (within the horizon), the way the first call chose."""
+        # padded to the first call's shape: an array call on jnp ops and the jitted vmap then
+        # reuse what the first call compiled
+        padded = np.concatenate([steps, np.full(self.width - len(steps), steps[-1])])
+        if self.mode == "array":
+            values = np.asarray(self.schedule(padded), dtype=np.float32)
+            if values.shape != padded.shape:
+                raise ValueError(
+                    f"jaxnitro: schedule `{self.name}` returned shape {values.shape} for "
+                    f"{len(padded)} steps ({int(steps[0])}..{int(steps[-1])}); its first stretch "
+                    f"gave one value per step."
+                )
+            values = values[: len(steps)]
+        elif self.mode == "vmap":
+            values = np.asarray(self._vmapped(jnp.asarray(padded, jnp.int32)), dtype=np.float32)[: len(steps)]
+        else:
+            values = self._per_step(steps)
+        self.evaluated += len(steps)
+        return check_schedule_values(values, self.name, steps, self.total)
+
+    def _fill(self, b: int) -> np.ndarray:
+        start = b * self.block
+        steps = np.arange(start, min(start + self.block, self.total), dtype=np.int64)
+        values = self._evaluate(steps)
+        self.blocks[b] = values
+        return values
+
+    def value(self, step: int) -> float:
+        """The value at ``step`` (counted from 0; a step past the horizon gets the last value)."""
+        step = min(max(int(step), 0), self.total - 1)
+        b, i = divmod(step, self.block)
+        block = self.blocks.get(b)
+        if block is None:
+            block = self._fill(b)
+        return block[i]
+
+    def values(self, start: int, stop: int) -> np.ndarray:
+        """float32 ``[stop - start]``: the values of steps ``start .. stop - 1``."""
+        steps = np.minimum(np.arange(max(start, 0), max(stop, start)), self.total - 1)
+        out = np.empty(len(steps), np.float32)
+        i = 0
+        while i < len(steps):
+            b, j = divmod(int(steps[i]), self.block)
+            block = self.blocks.get(b)
+            if block is None:
+                block = self._fill(b)
+            if steps[i] == self.total - 1:  # clamped: the rest repeat the last value
+                out[i:] = block[j]
+                break
+            n = min(len(block) - j, len(steps) - i)
+            out[i : i + n] = block[j : j + n]
+            i += n
+        return out
 
 
-def check_schedule_values(values: np.ndarray, name: str) -> np.ndarray:
+def materialize(factory, total: int, name: str) -> np.ndarray:
+    """Call ``factory(total)`` and evaluate the schedule at every step ``0 .. total-1`` as
+    float32 (the whole horizon, in stretches; see :class:`ScheduleStream`). Training never
+    calls it: :class:`StepValues` evaluates only the stretches it reaches."""
+    stream = ScheduleStream(factory, total, name)
+    return stream.values(0, stream.total)
+
+
+def check_schedule_values(values: np.ndarray, name: str, steps=None, total: int | None = None) -> np.ndarray:
     """Refuse a NaN or infinite schedule value, and a negative optimizer hyperparameter,
-    naming the schedule and the first bad step. Returns ``values``."""
+    naming the schedule and the first bad step. ``steps`` are the step numbers of
+    ``values`` (default ``0 .. len(values) - 1``) and ``total`` the horizon (default
+    ``len(values)``). Returns ``values``."""
     bad = ~np.isfinite(values)
     if name.startswith("opt/"):
         bad |= values < 0
     if bad.any():
         i = int(np.argmax(bad))
+        step = int(steps[i]) if steps is not None else i
+        total = len(values) if total is None else total
         must = "a finite number >= 0" if name.startswith("opt/") else "a finite number"
         raise ValueError(
-            f"jaxnitro: schedule `{name}` gives {float(values[i])!r} at step {i} (of {len(values)} "
+            f"jaxnitro: schedule `{name}` gives {float(values[i])!r} at step {step} (of {total} "
             f"steps, counted from 0); every value must be {must}. A NaN or negative learning rate "
             f"or decay would silently make the weights NaN (reported later as a divergence). Fix "
             f"the schedule (an optax schedule's arguments, a division by the horizon when it is 0 "
@@ -174,49 +291,141 @@ def check_schedule_values(values: np.ndarray, name: str) -> np.ndarray:
     return values
 
 
+class ScheduleLog:
+    """A varying schedule's per-step values for logging, produced on demand.
+
+    ``log[i]`` is the value used by step ``i`` counted from 0 (the logged step
+    ``i + 1``); ``len(log)`` is the horizon. Indexing a step not yet reached
+    evaluates its stretch (see :class:`ScheduleStream`); the loop only reads
+    steps it has already run, whose stretches exist.
+    """
+
+    def __init__(self, value, total: int):
+        self._value, self._total = value, total
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __getitem__(self, step: int) -> float:
+        if isinstance(step, slice):
+            return np.asarray([self._value(s) for s in range(*step.indices(self._total))], np.float32)
+        step = int(step)
+        if step < 0:
+            step += self._total
+        if not 0 <= step < self._total:
+            raise IndexError(f"schedule step {step} is outside the horizon of {self._total} steps")
+        return self._value(step)
+
+    def __repr__(self) -> str:
+        return f"ScheduleLog({self._total} steps, evaluated in stretches)"
+
+
 class StepValues:
     """The per-step inputs of a run: the optimizer hyperparameter vector and scheduled Device fields.
 
-    Every bound schedule is materialized once for the run's ``total`` optimizer
-    steps. ``hypers(step)`` is one float32 vector (a device constant when no
-    optimizer value is scheduled); ``dev(base, step)`` is the Device values with
-    scheduled fields replaced. ``logged`` maps ``schedule/<group>/<hyper>`` and
-    ``schedule/<field>`` to the tables of the schedules that vary.
+    Built once per ``train()`` for a horizon of ``total`` optimizer steps. Each
+    bound schedule's factory is called here, with ``total``, and its first
+    stretch is evaluated (see :class:`ScheduleStream`); later stretches are
+    evaluated when a step first needs them, so the work before the first step
+    does not depend on ``total`` and a run that stops early never evaluates the
+    steps it did not take. Steps are counted from 0; a step past the horizon
+    gets the last step's values.
+
+    * ``hypers(step)``: one float32 vector (a device constant when no optimizer
+      value is scheduled); ``hypers_block(step, k)``: ``[k, n]``;
+    * ``dev(base, step)``: the Device values with scheduled fields replaced;
+      ``dev_block(step, k)``: ``{field: [k]}``; ``device``: the scheduled fields'
+      streams by name (its keys are the scheduled fields);
+    * ``logged``: ``schedule/<group>/<hyper>`` and ``schedule/<field>`` mapped to a
+      :class:`ScheduleLog` for each schedule that varies;
+    * ``evaluated``: the schedule step values computed so far, all schedules together.
     """
 
     def __init__(self, nitro, total: int):
         spec = nitro.plan.opt_spec
+        self.total = total = max(int(total), 1)
         self.layout = spec.layout
-        base = spec.base_vector(nitro.plan.base_lr)
-        self.constant = not nitro.plan.bindings.opt
-        self.logged: dict[str, np.ndarray] = {}
+        self.base = spec.base_vector(nitro.plan.base_lr)
+        bindings = nitro.plan.bindings
+        self.constant = not bindings.opt
+        self.logged: dict[str, ScheduleLog] = {}
+        self.streams: list[ScheduleStream] = []
+        self.slots: list[tuple[int, ScheduleStream, float]] = []  # (column, stream, multiplier)
         if self.constant:
-            self.vector = jax.device_put(base)
+            self.vector = jax.device_put(self.base)
         else:
-            table = np.tile(base, (total, 1))
-            bare = {h: materialize(f, total, f"opt/{h}") for (g, h), f in nitro.plan.bindings.opt.items() if g is None}
+            bare = {
+                h: self._stream(f, f"opt/{h}") for (g, h), f in bindings.opt.items() if g is None
+            }
             for i, (group, hyper) in enumerate(self.layout.slots):
                 gspec = next(x for x in spec.groups if x.name == group)
-                values = None
-                if (group, hyper) in nitro.plan.bindings.opt:
-                    values = materialize(nitro.plan.bindings.opt[(group, hyper)], total, f"opt/{group}/{hyper}")
+                if (group, hyper) in bindings.opt:
+                    stream = self._stream(bindings.opt[(group, hyper)], f"opt/{group}/{hyper}")
                 elif hyper in bare:
-                    values = bare[hyper]
-                if values is not None:
-                    table[:, i] = values * gspec.ratio if hyper == "learning_rate" else values
-                    if values.min() != values.max():
-                        self.logged[f"schedule/{group}/{hyper}"] = table[:, i]
-            self.table = table
-        self.device = {}
-        for name, f in nitro.plan.bindings.device.items():
-            dtype = nitro.device_values[name].dtype
-            values = materialize(f, total, f"device/{name}").astype(dtype)
-            self.device[name] = values
-            if values.min() != values.max():
-                self.logged[f"schedule/{name}"] = values
+                    stream = bare[hyper]
+                else:
+                    continue
+                self.slots.append((i, stream, gspec.ratio if hyper == "learning_rate" else 1.0))
+                if stream.varies:
+                    self.logged[f"schedule/{group}/{hyper}"] = ScheduleLog(
+                        lambda s, i=i: float(self.hypers(s)[i]), total
+                    )
+        self.device: dict[str, ScheduleStream] = {}
+        self.dtypes: dict[str, np.dtype] = {}
+        for name, f in bindings.device.items():
+            stream = self.device[name] = self._stream(f, f"device/{name}")
+            self.dtypes[name] = np.dtype(nitro.device_values[name].dtype)
+            if stream.varies:
+                self.logged[f"schedule/{name}"] = ScheduleLog(
+                    lambda s, name=name: float(self._dev_row(name, s)), total
+                )
+        # one table per stretch of `block` steps: [block, n] hyperparameters, [block] per field
+        self.block = min((s.block for s in self.streams), default=BLOCK)
+        self._hyper_tables: dict[int, np.ndarray] = {}
+        self._dev_tables: dict[tuple[str, int], np.ndarray] = {}
+
+    def _stream(self, factory, name: str) -> ScheduleStream:
+        stream = ScheduleStream(factory, self.total, name)
+        self.streams.append(stream)
+        return stream
+
+    @property
+    def evaluated(self) -> int:
+        return sum(s.evaluated for s in self.streams)
+
+    def _stretch(self, b: int) -> tuple[int, int]:
+        start = b * self.block
+        return start, min(start + self.block, self.total)
+
+    def _hyper_table(self, b: int) -> np.ndarray:
+        table = self._hyper_tables.get(b)
+        if table is None:
+            start, stop = self._stretch(b)
+            table = np.tile(self.base, (stop - start, 1))
+            for i, stream, mult in self.slots:
+                values = stream.values(start, stop)
+                table[:, i] = values * mult if mult != 1.0 else values
+            self._hyper_tables[b] = table
+        return table
+
+    def _dev_table(self, name: str, b: int) -> np.ndarray:
+        table = self._dev_tables.get((name, b))
+        if table is None:
+            start, stop = self._stretch(b)
+            table = self._dev_tables[(name, b)] = self.device[name].values(start, stop).astype(self.dtypes[name])
+        return table
+
+    def _dev_row(self, name: str, step: int):
+        b, i = divmod(min(step, self.total - 1), self.block)
+        return self._dev_table(name, b)[i]
 
     def hypers(self, step: int):
-        return self.vector if self.constant else self.table[min(step, len(self.table) - 1)]
+        """The hyperparameter vector of ``step``."""
+        if self.constant:
+            return self.vector
+        b, i = divmod(min(step, self.total - 1), self.block)
+        table = self._hyper_tables.get(b)
+        return (table if table is not None else self._hyper_table(b))[i]
 
     def hypers_block(self, step: int, k: int):
         """``[k, n]``: the hyperparameter vectors of steps ``step .. step + k - 1``."""
@@ -225,21 +434,31 @@ class StepValues:
             if k not in blocks:
                 blocks[k] = jax.device_put(np.tile(np.asarray(self.vector), (k, 1)))
             return blocks[k]
-        return self.table[np.minimum(np.arange(step, step + k), len(self.table) - 1)]
+        b, i = divmod(min(step, self.total - 1), self.block)
+        table = self._hyper_table(b)
+        if i + k <= len(table):
+            return table[i : i + k]
+        return np.stack([self.hypers(s) for s in range(step, step + k)])
 
     def dev_block(self, step: int, k: int) -> dict:
         """The scheduled Device fields of steps ``step .. step + k - 1``: ``{name: [k]}``."""
         if not self.device:
             return {}
-        return {
-            name: values[np.minimum(np.arange(step, step + k), len(values) - 1)]
-            for name, values in self.device.items()
-        }
+        out = {}
+        for name in self.device:
+            b, i = divmod(min(step, self.total - 1), self.block)
+            table = self._dev_table(name, b)
+            if i + k <= len(table):
+                out[name] = table[i : i + k]
+            else:
+                out[name] = np.asarray([self._dev_row(name, s) for s in range(step, step + k)], self.dtypes[name])
+        return out
 
     def dev(self, base: dict, step: int) -> dict:
+        """``base`` with each scheduled Device field replaced by its value at ``step``."""
         if not self.device:
             return base
         out = dict(base)
-        for name, values in self.device.items():
-            out[name] = values[min(step, len(values) - 1)]
+        for name in self.device:
+            out[name] = self._dev_row(name, step)
         return out
