@@ -279,3 +279,31 @@ def test_a_non_finite_scalar_stops_the_run_naming_it(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"train_step's scalar\(s\) 'ratio' became non-finite at step 1"):
         n = jn.train(manual("Exploding", train_step=exploding)(), run_dir=tmp_path, logger=None)
     assert n.status == "diverged" and n.record.stop_reason == "non-finite scalar at step 1"
+
+
+def test_a_dict_model_with_forward_and_loss_gets_a_group_per_model(tmp_path):
+    @jn.experiment
+    class TwoPart:
+        max_epochs: int = 1
+
+        def build_data(self, dist):
+            return tiny_data()
+
+        def build_model(self, key):
+            k1, k2 = jax.random.split(key)
+            return {"encoder": eqx.nn.Linear(N_FEATURES, 8, key=k1), "head": eqx.nn.Linear(8, 4, key=k2)}
+
+        def learning_rate_ratio(self, group):
+            return 0.0 if group == "encoder" else 1.0  # a frozen encoder
+
+        def forward(self, models, state, *, x):
+            return jax.vmap(lambda v: models["head"](jax.nn.relu(models["encoder"](v))))(x), state
+
+        def loss(self, logits, *, label):
+            return xent(logits, label)
+
+    start = jn.Nitro(TwoPart(), run_dir=tmp_path, logger=None)
+    n = jn.train(TwoPart(), run_dir=tmp_path, logger=None)
+    assert [g.name for g in n.plan.opt_spec.groups] == ["encoder", "head"]
+    assert same(n.params["encoder"], start.params["encoder"])
+    assert not same(n.params["head"], start.params["head"])
