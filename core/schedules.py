@@ -135,11 +135,11 @@ class ScheduleStream:
 
     ``factory(total)`` is called once, here. Values are float32 and produced by
     :meth:`values` a stretch at a time and cached: a stretch of :data:`BLOCK` steps
-    in one call when the schedule accepts an array of steps, else one jitted
-    ``jax.vmap`` over the step indices (compiled once: every call has the same
-    shape), else (a schedule that cannot be traced) one Python call per step in
-    stretches of :data:`SLOW_BLOCK`. The way is chosen on the first stretch and
-    kept. Steps past the horizon take the last step's value (``total - 1``).
+    in one jitted ``jax.vmap`` over the step indices (compiled once: every call has
+    the same shape), else in one call on an array of steps (NumPy code, a schedule
+    the user vmapped already), else (a schedule that can do neither) one Python call
+    per step in stretches of :data:`SLOW_BLOCK`. The way is chosen on the first
+    stretch and kept. Steps past the horizon take the last step's value (``total - 1``).
 
     The first stretch is evaluated at construction together with :data:`PROBES`
     steps spread evenly over the horizon (and its last step); :attr:`varies` is
@@ -183,21 +183,26 @@ class ScheduleStream:
         self.varies = bool(values.min() != values.max())
 
     def _fast(self, steps: np.ndarray):
-        """One array call, else one jitted vmap; None (mode unset) when neither works."""
+        """One jitted vmap, else one array call; None (mode unset) when neither works.
+
+        The vmap comes first: one small compiled program (reused by every later stretch,
+        and kept by the persistent compile cache) costs less than an array call's eager
+        ops, and far less than an array call that fails halfway (optax's one-cycle).
+        """
         try:
-            out = np.asarray(self.schedule(steps), dtype=np.float32)
-            if out.shape == steps.shape:
-                self.mode = "array"
-                return out
-        except Exception:  # noqa: BLE001, S110 - any refusal means "not an array schedule"
-            pass
-        try:  # e.g. optax's piecewise schedules: traceable, but not over an array
             vmapped = jax.jit(jax.vmap(self.schedule))
             out = np.asarray(vmapped(jnp.asarray(steps, jnp.int32)), dtype=np.float32)
             if out.shape == steps.shape:
                 self.mode, self._vmapped = "vmap", vmapped
                 return out
         except Exception:  # noqa: BLE001, S110 - any refusal means "cannot be traced"
+            pass
+        try:  # NumPy code, or a schedule already vmapped: not traceable per step, fine on an array
+            out = np.asarray(self.schedule(steps), dtype=np.float32)
+            if out.shape == steps.shape:
+                self.mode = "array"
+                return out
+        except Exception:  # noqa: BLE001, S110 - any refusal means "not an array schedule"
             pass
         return None
 
