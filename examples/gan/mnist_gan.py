@@ -44,6 +44,11 @@ def mnist_pixels(n_train: int = 4500, n_val: int = 500) -> tuple[np.ndarray, np.
     return images[:n_train], images[n_train : n_train + n_val]
 
 
+def adam_b1_half(learning_rate):
+    """Adam with ``b1 = 0.5``, the usual setting for GANs (less momentum in a moving game)."""
+    return optax.adam(learning_rate, b1=0.5)
+
+
 @jn.experiment
 class MnistGan:
     latent: GraphConst[int] = 64
@@ -75,7 +80,7 @@ class MnistGan:
         }
 
     def optimizer(self, group):  # the group is the model's name: both use Adam here
-        return lambda learning_rate: optax.adam(learning_rate, b1=0.5)
+        return adam_b1_half
 
     def learning_rate(self):
         return self.lr
