@@ -26,7 +26,10 @@ import jax.numpy as jnp
 
 from .optim import OptimizerSpec, init_opt_state, set_hypers
 
-__all__ = ["ModelOptimizers", "Optimizers", "split_optimizer", "check_manual_experiment", "check_step_result"]
+__all__ = [
+    "ModelOptimizers", "Optimizers", "split_optimizer", "check_manual_experiment", "check_step_result",
+    "per_step_scalars",
+]
 
 
 @dataclass(frozen=True)
@@ -214,13 +217,22 @@ def check_step_result(res, cls_name: str, p_def, opt: ModelOptimizers):
             f"non-empty dict {{name: scalar}} (e.g. {{'d_loss': d_loss, 'g_loss': g_loss}}), logged "
             f"as train lines."
         )
+    values = per_step_scalars(
+        scalars, f"`train_step` of {cls_name} returned scalar", "the logged values are per-step scalars"
+    )
+    return params, optimizers.states(), tuple(scalars), jnp.stack(values)
+
+
+def per_step_scalars(scalars: dict, what: str, why: str) -> list:
+    """The float32 scalars of ``scalars`` (a train step's logged values), in order.
+
+    Raises ``TypeError`` naming the entry when one is not a scalar: "{what} `name` has
+    shape ...; {why}. Reduce it (e.g. `.mean()`)".
+    """
     values = []
     for k, v in scalars.items():
         v = jnp.asarray(v)
         if v.shape != ():
-            raise TypeError(
-                f"jaxnitro: `train_step` of {cls_name} returned scalar `{k}` with shape {v.shape}; "
-                f"the logged values are per-step scalars (reduce it, e.g. `.mean()`)."
-            )
+            raise TypeError(f"jaxnitro: {what} `{k}` has shape {v.shape}; {why}. Reduce it (e.g. `.mean()`).")
         values.append(v.astype(jnp.float32))
-    return params, optimizers.states(), tuple(scalars), jnp.stack(values)
+    return values

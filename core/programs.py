@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from .cache import Program, get_program, stable_key
 from .experiment import make_view
-from .manual import Optimizers, check_step_result
+from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
@@ -191,14 +191,9 @@ class ProgramSet:
                     f"{type(tm).__name__}; it must return a dict {{name: scalar}}."
                 )
             names = tuple(tm)
-            for k, v in tm.items():
-                v = jnp.asarray(v)
-                if v.shape != ():
-                    raise TypeError(
-                        f"jaxnitro: train metric `{k}` has shape {v.shape}; `train_metrics` returns "
-                        f"per-step scalars. Reduce it, or report it from `metrics` instead."
-                    )
-                aux.append(v.astype(jnp.float32))
+            aux += per_step_scalars(
+                tm, "train metric", "`train_metrics` returns per-step scalars (arrays belong in `metrics`)"
+            )
         meta["aux_names"] = ("loss",) + names
         return loss, (new_state, jnp.stack(aux))
 
