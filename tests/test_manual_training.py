@@ -261,10 +261,14 @@ def test_bad_results_and_names_are_refused_at_the_first_step(tmp_path):
     def two(self, model, optimizers, *, x, label):
         return model, optimizers
 
+    def vector(self, model, optimizers, *, x, label):
+        return model, optimizers, {"rows": x[:, 0]}
+
     for step, message in [
         (no_scalars, r"returned \{\} as its scalars; return a non-empty dict"),
         (named, r"name='generator'\): the model is a single module"),
         (two, r"returned a tuple of 2; it must return `\(models, optimizers, scalars\)`"),
+        (vector, r"returned scalar `rows` has shape \(16,\); the logged values are per-step scalars"),
     ]:
         with pytest.raises((TypeError, KeyError), match=message):
             jn.train(manual(step.__name__, train_step=step)(), run_dir=tmp_path, logger=None)
