@@ -10,9 +10,13 @@ interleaved, and reports the medians:
   synthetic data: 275 steps, as with ``--data-dir``); as wall time, as process CPU time
   (all threads: what the saves take from a machine's cores), and as the time the training
   loop itself spends in the checkpointer's hooks (the rest runs on its worker thread);
+  the run's end, which waits for the last saves, separately; how many saves were written
+  and how many dropped unwritten (queued saves the keep policies would have deleted);
 * the restore time: ``jn.Nitro(e, data=..., weights=(run, "best"))`` minus the same
   construction without ``weights``, and one plain orbax restore of a checkpoint's state;
-* the disk used per checkpoint.
+* the disk used per checkpoint;
+* the anatomy of one save: orbax's CPU time for the whole checkpoint and for its JSON
+  record alone, the keep/delete decision, and deleting a checkpoint folder.
 
     python bench/checkpoint.py [--epochs 8] [--repeats 3]
 """
@@ -57,23 +61,33 @@ def timed_train(e, data, run_dir, checkpointer) -> tuple[float, float]:
 
 
 class HookClock:
-    """Time the loop thread spends in the checkpointer's hooks."""
+    """Time the loop thread spends in the checkpointer's hooks (``spent``) and in the run's
+    end (``ending``: the wait for the last saves); saves written and dropped."""
 
     def __init__(self):
         from jaxnitro.checkpointers import orbax as plugin
 
-        self.plugin, self.spent, self.saved = plugin, 0.0, {}
+        self.plugin, self.saved = plugin, {}
+        self.reset()
         for name in ("epoch_trained", "epoch_end", "finish"):
             self.saved[name] = getattr(plugin._Saver, name)
             setattr(plugin._Saver, name, self.timed(self.saved[name]))
 
+    def reset(self):
+        self.spent = self.ending = 0.0
+        self.written = self.dropped = 0
+
     def timed(self, fn):
-        def wrapper(*args, **kwargs):
+        def wrapper(saver, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return fn(saver, *args, **kwargs)
             finally:
-                if fn.__name__ != "finish":  # the final wait is counted in the wall time
+                if fn.__name__ == "finish":
+                    self.ending += time.perf_counter() - t0
+                    self.written += saver.written
+                    self.dropped += saver.dropped
+                else:
                     self.spent += time.perf_counter() - t0
 
         return wrapper
@@ -88,7 +102,7 @@ def measure(label: str, data: dict, epochs: int, repeats: int, tmp: str, clock: 
     keep = jn.Checkpointer(keep=(jn.Best(3), jn.Last(1)))
     timed_train(MnistMLP(max_epochs=1), data, tmp, keep)  # compile, import orbax
     plain, saved = [], []
-    clock.spent = 0.0
+    clock.reset()
     for _ in range(repeats):
         plain.append(timed_train(e, data, tmp, None))
         saved.append(timed_train(e, data, os.path.join(tmp, label), keep))
@@ -98,8 +112,13 @@ def measure(label: str, data: dict, epochs: int, repeats: int, tmp: str, clock: 
     print(f"  train() without checkpoints : {p:.3f} s ({p / epochs * 1000:.1f} ms per epoch), CPU {pc:.3f} s")
     print(f"  train() saving every epoch  : {s:.3f} s, CPU {sc:.3f} s -> checkpointing costs "
           f"{(s - p) / p:+.1%} of the wall time, {(sc - pc) / pc:+.1%} of the CPU time")
+    ending = clock.ending / repeats
     print(f"  in the loop's thread        : {clock.spent / (repeats * epochs) * 1000:.2f} ms per epoch "
           f"({clock.spent / repeats / p:.1%} of the epoch time); the writes run on a worker thread")
+    print(f"  the run's end               : {ending * 1000:.0f} ms waiting for the last saves; without it "
+          f"checkpointing costs {(s - ending - p) / p:+.1%} of the wall time")
+    print(f"  saves                       : {clock.written / repeats:.1f} written, {clock.dropped / repeats:.1f} "
+          f"dropped unwritten (the keep policies would have deleted them) of {epochs} per run")
     runs = sorted(Path(tmp, label).iterdir())
     steps = sorted((runs[-1] / "checkpoints").iterdir())
     sizes = [du(s_) for s_ in steps if s_.name.isdigit()]
@@ -123,6 +142,46 @@ def measure(label: str, data: dict, epochs: int, repeats: int, tmp: str, clock: 
     raw = time.perf_counter() - t0
     print(f"  restore, weights=(run, 'best'): {statistics.median(load) - statistics.median(build):.3f} s "
           f"over a plain Nitro(e) ({statistics.median(build):.3f} s); one orbax restore of the whole state: {raw:.3f} s")
+    anatomy(mgr, mgr.latest_step(), tmp)
+
+
+def anatomy(mgr, step: int, tmp: str, n: int = 10) -> None:
+    """What one save is made of, measured on the worker's calls, one at a time."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+    from jaxnitro.checkpointers import orbax as plugin
+
+    got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, max_to_keep=1)
+
+    def cpu_per_save(**items) -> tuple[float, float]:
+        out = ocp.CheckpointManager(os.path.join(tmp, f"anatomy-{'-'.join(items)}"), options=options)
+        out.save(0, args=ocp.args.Composite(**items), force=True)  # warm
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(1, n + 1):  # each save also deletes the previous one (max_to_keep=1)
+            out.save(i, args=ocp.args.Composite(**items), force=True)
+        out.close()
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+    whole = cpu_per_save(state=ocp.args.StandardSave(got["state"]), meta=ocp.args.JsonSave(got["meta"]))
+    record = cpu_per_save(meta=ocp.args.JsonSave(got["meta"]))
+    policy = plugin._policy((plugin.Best(3), plugin.Last(1)), ("macro_recall", "max"), {})
+    listed = [plugin._Known(s, {plugin._EPOCH_END: 1.0, "macro_recall": s / 100}, None) for s in range(0, 200, 20)]
+    t0 = time.perf_counter()
+    for _ in range(100):
+        policy.should_preserve(listed, context=ocp.checkpoint_managers.PreservationContext())
+    decide = (time.perf_counter() - t0) / 100
+    deletes = []
+    for i in range(n):
+        copy = os.path.join(tmp, f"anatomy-delete-{i}")
+        shutil.copytree(os.path.join(mgr.directory, str(step)), copy)
+        t0 = time.perf_counter()
+        shutil.rmtree(copy)
+        deletes.append(time.perf_counter() - t0)
+    print(f"  one save (worker thread)    : {whole[0] * 1000:.0f} ms wall, {whole[1] * 1000:.0f} ms CPU (all threads); "
+          f"of which the JSON record item {record[1] * 1000:.0f} ms CPU; the keep/delete decision over 10 "
+          f"checkpoints {decide * 1e6:.0f} us; deleting one checkpoint folder {statistics.median(deletes) * 1000:.1f} ms")
 
 
 def main(argv=None) -> None:

@@ -35,8 +35,8 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, how):
     names = os.listdir(folder / "checkpoints")
     complete = sorted(int(n) for n in names if n.isdigit())
     assert complete and max(complete) <= 12, names  # epoch 3 never finished
-    if how == "mid-save":
-        assert complete == [6] and "12.orbax-checkpoint-tmp" in names, names  # the cut-short save
+    if how == "mid-save":  # the cut-short save (epoch 2's, or a later one when epoch 2's was dropped)
+        assert complete == [6] and any(n.endswith(".orbax-checkpoint-tmp") and not n.startswith("6.") for n in names), names
     resumed = jn.Nitro(Crashed(), data=data(), run_dir=tmp_path, resume="auto", max_epochs=4,
                        checkpointer=checkpointer())
     assert resumed.step == max(complete) and resumed.plan.resumed.path.endswith(f"/{max(complete)}")

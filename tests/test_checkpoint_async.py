@@ -1,0 +1,149 @@
+"""Asynchronous saving: snapshots that outlive the donating train steps, saves that fall
+behind the epochs (dropped when the keep policies would delete them, never otherwise), and
+a run's end that waits for every save.
+
+Saves are slowed down (a sleep before each orbax save) so that the loop runs epochs ahead
+of the worker thread; nothing here measures time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jaxnitro as jn
+from jaxnitro.checkpointers import orbax as plugin
+from jaxnitro.events import run_scoped
+from test_checkpoints import Ranked, step_dirs
+
+SPE = 6  # optimizer steps per epoch
+
+
+def by_name(tree) -> dict:
+    """``{"l1.weight": host copy}`` of an Equinox module or of orbax's restored dicts."""
+    def name(path):
+        return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+
+    return {name(path): np.array(x, copy=True) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def assert_same(saved: dict, live: dict):
+    assert sorted(saved) == sorted(live)
+    for key, value in saved.items():
+        np.testing.assert_array_equal(value, live[key], err_msg=key)
+
+
+class Recorder:
+    """Host copies (not views: a view would keep the train step from donating) of the params at
+    each epoch's end, and the published params arrays of epoch 1 (to see them donated)."""
+
+    def __init__(self):
+        self.params, self.first = {}, None
+
+    @jn.hookimpl
+    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+        params = run.nitro.state.params
+        self.params[step] = by_name(params)
+        if self.first is None:
+            self.first = jax.tree_util.tree_leaves(params)
+
+
+@pytest.fixture
+def slow_writes(monkeypatch):
+    """Each orbax save waits 0.1 s first (on the worker thread); records the steps written."""
+    written, threads = [], set()
+    write = plugin._Saver.write
+
+    def slow(self, item):
+        time.sleep(0.1)
+        threads.add(threading.current_thread().name)
+        write(self, item)
+        written.append(item.step)
+
+    monkeypatch.setattr(plugin._Saver, "write", slow)
+    return written, threads
+
+
+def saved_params(run_dir, step):
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"))
+    got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["params"]
+    return by_name(got)
+
+
+def train(tmp_path, keep, **kw):
+    rec = Recorder()
+    with run_scoped([rec]):
+        n = jn.train(Ranked(), run_dir=tmp_path, max_epochs=6, logger=None,
+                     checkpointer=jn.Checkpointer(keep=keep, **kw))
+    return n, rec
+
+
+def test_a_snapshot_outlives_the_steps_that_donate_the_published_state(tmp_path, slow_writes):
+    written, threads = slow_writes
+    n, rec = train(tmp_path, keep=jn.Last(6))  # keeps every epoch: nothing is dropped
+    assert all(x.is_deleted() for x in rec.first)  # the next steps donated epoch 1's published buffers
+    assert written == [6, 12, 18, 24, 30, 36] and threads == {"jaxnitro-checkpoint_0"}
+    assert step_dirs(n.run_dir) == ["6", "12", "18", "24", "30", "36"]  # the run's end waited for all
+    for step in written:  # each checkpoint holds its epoch's end, not what the later steps made of it
+        assert_same(saved_params(n.run_dir, step), rec.params[step])
+
+
+@pytest.mark.parametrize(("keep", "expected"), [
+    ((jn.Best(2), jn.Last(1)), ["6", "12", "36"]),  # losses fall each epoch, ranked "max": epochs 1, 2 best
+    ((jn.Last(1),), ["36"]),
+    ((jn.Best(1),), ["6"]),
+], ids=["best2-last1", "last1", "best1"])
+def test_saves_that_fall_behind_keep_what_synchronous_saves_keep(tmp_path, slow_writes, keep, expected):
+    written, _ = slow_writes
+    sync, _ = train(tmp_path / "sync", keep, asynchronous=False)
+    synchronous_writes = list(written)
+    written.clear()
+    n, rec = train(tmp_path / "async", keep)
+    kept = step_dirs(n.run_dir)
+    assert kept == step_dirs(sync.run_dir) == expected
+    assert written[0] == 6 and set(written) <= set(synchronous_writes) and len(written) < 6  # some dropped
+    assert {int(s) for s in kept} <= set(written)
+    for step in kept:
+        assert_same(saved_params(n.run_dir, int(step)), rec.params[int(step)])
+
+
+def test_best_alone_never_writes_a_worse_epoch(tmp_path, slow_writes):
+    written, _ = slow_writes
+    train(tmp_path, keep=jn.Best(1), asynchronous=False)
+    assert written == [6]  # every later epoch ranks below epoch 1: nothing to write
+
+
+def test_an_interrupted_run_waits_for_its_pending_saves(tmp_path, slow_writes):
+    written, _ = slow_writes
+
+    class Stop:
+        @jn.hookimpl
+        def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+            if epoch == 4:
+                raise KeyboardInterrupt  # before epoch 4's end: its state is saved as the run's end
+
+    with run_scoped([Stop()]), pytest.raises(KeyboardInterrupt):
+        jn.train(Ranked(), run_dir=tmp_path, max_epochs=6, logger=None,
+                 checkpointer=jn.Checkpointer(keep=(jn.Best(2), jn.Last(1))))
+    assert not plugin._SAVERS and written[-1] == 24  # the run-end save was written before train() raised
+    (folder,) = os.listdir(tmp_path)
+    assert step_dirs(tmp_path / folder) == ["6", "12", "18", "24"]  # Best(2), Last(1) and the run's end
+    resumed = jn.Nitro(Ranked(), run_dir=tmp_path, resume="auto", logger=None)
+    assert (resumed.step, resumed.epoch) == (24, 4)
+
+
+def test_a_failed_save_is_raised_on_the_loops_thread(tmp_path, monkeypatch):
+    def fail(self, item):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(plugin._Saver, "write", fail)
+    with pytest.raises(RuntimeError, match=r"saving a checkpoint under .*checkpoints failed: OSError"):
+        jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None, checkpointer=jn.Checkpointer())
+    assert not plugin._SAVERS
