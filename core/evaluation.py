@@ -151,9 +151,8 @@ def evaluate_split(nitro, split: str) -> dict:
             value = nitro.plan.hooks["loss"].function(progs.view(dev), host_out, **nitro.plan.routes["loss"].select(loss_batch))
             acc.add({"loss": (np.asarray(value), 1)})
     if dist is not None and dist.multi_process:  # every process's share, merged in process order
-        acc, shares = MetricAccumulator(), dist.allgather_objects((acc, not first))
-        for share, _ in shares:
-            acc.merge(share)
+        shares = dist.allgather_objects((acc, not first))
+        acc = MetricAccumulator.merged([share for share, _ in shares])
         first = not any(read for _, read in shares)
     if first:
         warnings.warn(

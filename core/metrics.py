@@ -110,33 +110,44 @@ class MetricAccumulator:
             else:
                 self._totals[name].append(value)
 
-    def merge(self, other: "MetricAccumulator") -> None:
-        """Fold ``other``'s batches in after this one's (another process's share of a split):
-        the result is what one accumulator would give had it seen both shares' batches, in
-        this order (``"concat"`` keeps it)."""
-        for name, mode in other._modes.items():
-            known = self._modes.setdefault(name, mode)
-            if known != mode:
-                raise ValueError(
-                    f"jaxnitro: metric `{name}` has mode {known!r} on one process and {mode!r} on "
-                    f"another; a metric keeps one mode for the whole split."
-                )
-            theirs = other._totals[name]
-            if name not in self._totals:
-                self._totals[name] = list(theirs) if mode == "concat" else theirs
-                if mode == "count":
-                    self._counts[name] = other._counts[name]
-            elif mode == "count":
-                self._totals[name] = self._totals[name] + theirs
-                self._counts[name] = self._counts[name] + other._counts[name]
-            elif mode == "sum":
-                self._totals[name] = self._totals[name] + theirs
-            elif mode == "max":
-                self._totals[name] = np.maximum(self._totals[name], theirs)
-            elif mode == "min":
-                self._totals[name] = np.minimum(self._totals[name], theirs)
-            else:
-                self._totals[name] = self._totals[name] + list(theirs)
+    @classmethod
+    def merged(cls, shares: list) -> "MetricAccumulator":
+        """One accumulator from several processes' shares of a split, in process order.
+
+        Counted, ``"sum"``, ``"max"`` and ``"min"`` metrics combine their totals; ``"concat"``
+        values are interleaved batch by batch (process 0's part of batch 0, process 1's part
+        of batch 0, ..., then batch 1), which is the one-process order when every process
+        reads its part of each batch (``jn.ArraySource`` in a multi-process job)."""
+        out = cls()
+        for share in shares:
+            for name, mode in share._modes.items():
+                known = out._modes.setdefault(name, mode)
+                if known != mode:
+                    raise ValueError(
+                        f"jaxnitro: metric `{name}` has mode {known!r} on one process and {mode!r} on "
+                        f"another; a metric keeps one mode for the whole split."
+                    )
+                theirs = share._totals[name]
+                if mode == "concat":
+                    out._totals.setdefault(name, []).append(theirs)
+                elif name not in out._totals:
+                    out._totals[name] = theirs
+                    if mode == "count":
+                        out._counts[name] = share._counts[name]
+                elif mode == "count":
+                    out._totals[name] = out._totals[name] + theirs
+                    out._counts[name] = out._counts[name] + share._counts[name]
+                elif mode == "sum":
+                    out._totals[name] = out._totals[name] + theirs
+                elif mode == "max":
+                    out._totals[name] = np.maximum(out._totals[name], theirs)
+                else:
+                    out._totals[name] = np.minimum(out._totals[name], theirs)
+        for name, mode in out._modes.items():
+            if mode == "concat":  # [per process: [per batch]] -> batch-major
+                lists = out._totals[name]
+                out._totals[name] = [ls[i] for i in range(max(map(len, lists))) for ls in lists if i < len(ls)]
+        return out
 
     def result(self) -> dict:
         out = {}

@@ -185,6 +185,9 @@ class _Run:
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
         if dist is not None:
             self.scale = dist.replicate(self.scale)
+        # several processes: every epoch's end is read before the next epoch starts, so that what
+        # the epoch's end does across processes (checkpoint barriers) happens at the same point
+        self.lockstep = dist is not None and dist.multi_process
         # steps_per_dispatch: k optimizer steps per dispatch (one lax.scan program); batches
         # then stay on the host until a block of k * accum is stacked and sent at once
         self.k = nitro.settings.steps_per_dispatch
@@ -235,7 +238,7 @@ class _Run:
             outcome = self.train_epoch(epoch, stop) if self.k == 1 else self.train_epoch_blocks(epoch, stop)
             if outcome is Outcome.STOPPED or stop.status is not None:
                 self.stop()
-            if outcome is Outcome.DIVERGED or ((validate or epoch == last) and self.read(wait=True)):
+            if outcome is Outcome.DIVERGED or ((validate or epoch == last or self.lockstep) and self.read(wait=True)):
                 return self.diverged()
             if stop.status is not None:
                 self.stop()

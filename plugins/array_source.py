@@ -28,6 +28,7 @@ seed you want reproduced (``seed=self.data_seed`` from an experiment field).
 
 from __future__ import annotations
 
+import copy
 import mmap
 import threading
 from collections.abc import Mapping
@@ -144,6 +145,10 @@ class ArraySource:
             )
         if not mapped:
             self.prefetch_workers = 0
+        self._global_len = self._len  # batches of the whole data set (all processes)
+        self._part = (0, self.batch_size)  # (this process's slot, rows it reads of every batch)
+        self.process: tuple[int, int] = (0, 1)
+        """``(process_index, process_count)`` this source reads for (see :meth:`for_process`)."""
         self._lock = threading.Lock()
         self._plan: tuple[int, np.ndarray | None] = (0, None)
         self.begin_epoch(0)
@@ -161,7 +166,7 @@ class ArraySource:
         ``order[i * batch_size:(i + 1) * batch_size]`` (rows dropped by
         ``drop_last`` are absent)."""
         plan = self._make_plan(epoch)
-        used = min(self.rows, self._len * self.batch_size)
+        used = min(self.rows, self._global_len * self.batch_size)
         return np.arange(used) if plan is None else plan
 
     def _make_plan(self, epoch: int) -> np.ndarray | None:
@@ -169,7 +174,7 @@ class ArraySource:
             return None
         b, full = self.batch_size, self.rows // self.batch_size
         perm = np.random.default_rng((self.seed, epoch)).permutation(self.rows)
-        perm = perm[: self._len * b]  # drop_last drops the rows of the partial batch
+        perm = perm[: self._global_len * b]  # drop_last drops the rows of the partial batch
         head = perm[: full * b].reshape(full, b)
         head.sort(axis=1)  # in place: each batch's rows ascending (a forward read of a memmap)
         perm[full * b :].sort()
@@ -188,9 +193,52 @@ class ArraySource:
             raise IndexError(f"ArraySource: batch {i} out of range [0, {self._len})")
         return self._read(self._plan[1], int(i))
 
+    def for_process(self, process_index: int, process_count: int) -> "ArraySource":
+        """This source as process ``process_index`` of ``process_count`` reads it in a
+        multi-process job (jaxnitro calls it for the splits ``build_data`` returns).
+
+        Every process draws the same epoch plan (the same ``seed``); of every batch of
+        ``batch_size`` rows, process ``p`` reads the ``p``-th of ``process_count`` equal
+        parts, so the processes' parts put together are the one-process batch, row for row.
+        Batches are ``batch_size // process_count`` rows; a partial final batch is cut the
+        same way (a process whose part of it is empty has one batch fewer). A memory-mapped
+        field is read only at this process's rows.
+
+        Raises ``ValueError`` when ``batch_size`` does not divide by ``process_count``.
+        """
+        p = _check_int("process_index", process_index, 0)
+        c = _check_int("process_count", process_count, 1)
+        if p >= c:
+            raise ValueError(f"ArraySource: process_index {p} is not below process_count {c}")
+        if self.process == (p, c):
+            return self
+        if self.process != (0, 1):
+            raise ValueError(
+                f"ArraySource: this source already reads for process {self.process[0]} of "
+                f"{self.process[1]}; split the original source instead"
+            )
+        if c == 1:
+            return self
+        b = self.batch_size
+        if b % c:
+            raise ValueError(
+                f"ArraySource: batch_size={b} does not divide among {c} processes (each reads an "
+                f"equal part of every batch); use a multiple of {c}, e.g. {b - b % c or c}"
+            )
+        part = copy.copy(self)
+        part._part = (p, b // c)
+        part.process = (p, c)
+        part._lock = threading.Lock()
+        used = min(self.rows, self._global_len * b)
+        part._len = self._global_len - (0 if (self._global_len - 1) * b + p * (b // c) < used else 1)
+        if part._len == 0:
+            raise ValueError(f"ArraySource: {self.rows} rows leave process {p} of {c} no batch")
+        return part
+
     def _read(self, plan: np.ndarray | None, i: int) -> dict[str, np.ndarray]:
-        start = i * self.batch_size
-        stop = min(start + self.batch_size, self.rows)
+        slot, size = self._part
+        start = i * self.batch_size + slot * size
+        stop = min(start + size, self.rows)
         if plan is None:
             return {
                 k: np.array(a[start:stop]) if k in self.mapped else a[start:stop]
@@ -210,10 +258,11 @@ class ArraySource:
             f"{k}: {a.dtype}{list(a.shape[1:])}{' (mmap)' if k in self.mapped else ''}"
             for k, a in self.fields.items()
         )
+        part = f", process={self.process[0]} of {self.process[1]}" if self.process[1] > 1 else ""
         return (
             f"ArraySource({{{shapes}}}, rows={self.rows}, batch_size={self.batch_size}, "
             f"batches={self._len}, shuffle={self.shuffle}, drop_last={self.drop_last}, "
-            f"seed={self.seed})"
+            f"seed={self.seed}{part})"
         )
 
 

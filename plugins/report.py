@@ -120,14 +120,39 @@ def handle_title(nitro) -> str:
     e, s = nitro.experiment, nitro.settings
     per_epoch, total = _horizon(nitro)
     horizon = f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})" if total is not None else "no train split"
-    devices = ", ".join(str(d) for d in jax.devices()[: s.n_devs or 1])
+    dist = getattr(nitro.plan, "dist", None)
+    devices = ", ".join(str(d) for d in (dist.devices if dist is not None else jax.devices()[:1]))
     ema = nitro.state.ema is not None
     return (
         f"Nitro({type(e).__name__})  status: {nitro.status}\n"
         f"  seed {s.seed} | accum {s.accum} | horizon {horizon} | batch {nitro.plan.width} | "
         f"devices {devices}\n"
-        f"  weights: {nitro.plan.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
+        + _mesh_line(dist, nitro.plan.width)
+        + f"  weights: {nitro.plan.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
         + (f" | EMA of the params (decay {nitro.plan.opt_spec.ema_decay:g})" if ema else "")
+    )
+
+
+def _mesh_line(dist, width) -> str:
+    """Data parallel: the mesh, the processes, and how a batch splits (empty on one device)."""
+    if dist is None or not dist.sharded:
+        return ""
+    procs = (
+        f"{dist.process_count} processes x {dist.local_n_devs} devices (this is process {dist.process_index})"
+        if dist.multi_process
+        else "1 process"
+    )
+    split = ""
+    if width is not None:
+        per_device = width // dist.local_n_devs
+        split = (
+            f" | global batch {width * dist.process_count} = {width} per process = {per_device} per device"
+            if dist.multi_process
+            else f" | batch {width} = {per_device} per device"
+        )
+    return (
+        f"  mesh: {dist.n_devs} devices on axis 'data', {procs}{split}; params replicated, "
+        f"batches sharded\n"
     )
 
 
