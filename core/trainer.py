@@ -25,6 +25,7 @@ import numpy as np
 import structlog
 
 from .batches import batch_width, unwrap
+from .blocks import ColumnBlocks
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, StepStretch, emit, emit_finish, run_scoped
 from .interrupts import Terminated, deferring, immediate, stop_signals
@@ -197,6 +198,7 @@ class _Run:
         self.block_prog, self.extra = None, {}
         hooks = TRAIN_HOOKS
         keyed = any(nitro.plan.routes[h].wants_key for h in hooks if h in nitro.plan.routes)
+        self.columns = None  # k > 1 on a column source: blocks gathered on the device
         if self.k > 1:
             self.block_prog = progs.train_block(nitro.plan.opt_spec, nitro.plan.tx, o_def)
             self.read_every = max(1, READ_EVERY // self.k)
@@ -205,6 +207,9 @@ class _Run:
             transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
             if keyed:
                 self.extra = {KEY_DATA: nitro.state.rng}
+            self.columns = ColumnBlocks.of(
+                unwrap(train), fields, self.k, self.accum, keyed, dist is not None, stages_on_device()
+            )
         else:
             transfer = make_transfer(nitro, hooks)
         if not isinstance(unwrap(train), (list, tuple)):  # setup read every batch of a list only
@@ -333,20 +338,19 @@ class _Run:
         self.epoch_first_step[epoch] = step + 1
         wait, outcome = 0.0, Outcome.COMPLETE
         t_epoch = time.perf_counter()
-        stream = self.train.epoch(epoch, self.transfer)
+        if self.columns is not None:  # gathered on the device; no host stream
+            stream, group = None, []
+            blocks = self._device_blocks(epoch, step, group)
+        else:
+            stream, group = self.train.epoch(epoch, self.transfer), []
+            blocks = self._host_blocks(stream, put, group)
         try:
             while outcome is Outcome.COMPLETE:
                 t0 = time.perf_counter()
-                group = list(itertools.islice(stream, size))
+                block = next(blocks, None)
                 wait += time.perf_counter() - t0
-                if len(group) < size:
+                if block is None:
                     break
-                block = {
-                    f: (lambda a: a.reshape((k, accum) + a.shape[1:]))(np.stack([b[f] for b in group]))
-                    for f in group[0]
-                }
-                if put is not None:
-                    block = put(block)
                 params, mstate, opt_state, aux = block_fn(
                     params, mstate, opt_state, block_dev, scheds.dev_block(step, k), extra, block, scale,
                     scheds.hypers_block(step, k),
@@ -380,9 +384,35 @@ class _Run:
                     outcome = Outcome.DIVERGED
                     break
         finally:
-            stream.close()
+            if stream is not None:
+                stream.close()
             self.publish(params, mstate, opt_state, step)
         return self._end_epoch(epoch, step, outcome, wait, t_epoch)
+
+    def _host_blocks(self, stream, put, remainder: list):
+        """Blocks of ``k * accum`` batches read from ``stream`` and stacked on the host
+        (``{field: [k, accum, batch, ...]}``, then ``put``); a last short group of batches is
+        left in ``remainder`` for the one-step programs."""
+        k, accum = self.k, self.accum
+        while True:
+            group = list(itertools.islice(stream, k * accum))
+            if len(group) < k * accum:
+                remainder.extend(group)
+                return
+            block = {f: np.stack([b[f] for b in group]).reshape((k, accum) + group[0][f].shape) for f in group[0]}
+            yield block if put is None else put(block)
+
+    def _device_blocks(self, epoch: int, step: int, remainder: list):
+        """:meth:`_host_blocks` for a column source (:class:`~jaxnitro.blocks.ColumnBlocks`):
+        each block gathered on the device from its row numbers; the remainder's batches
+        gathered on the host. Micro-batch numbers (``key``) count from ``step * accum``."""
+        columns, size = self.columns, self.k * self.accum
+        n_blocks = self.steps_per_epoch // self.k
+        count = step * self.accum
+        for b in range(n_blocks):
+            yield columns.block(epoch, b, count + b * size)
+        for i in range(n_blocks * size, self.steps_per_epoch * self.accum):
+            remainder.append(columns.batch(epoch, i, count + i))
 
     def publish(self, p, s, o, step: int) -> None:
         """Make the leaves of the last completed optimizer step the handle's state."""

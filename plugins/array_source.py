@@ -169,6 +169,14 @@ class ArraySource:
         used = min(self.rows, self._global_len * self.batch_size)
         return np.arange(used) if plan is None else plan
 
+    def columns(self) -> dict[str, np.ndarray] | None:
+        """The fields as in-memory arrays, for a loop that gathers batches itself (on the
+        device, by the rows of :meth:`order`; see ``jaxnitro.blocks``), or None when that would
+        read differently: a memory-mapped field (never read whole) or a per-process part."""
+        if self.mapped or self.process != (0, 1):
+            return None
+        return dict(self.fields)
+
     def _make_plan(self, epoch: int) -> np.ndarray | None:
         if not self.shuffle:
             return None

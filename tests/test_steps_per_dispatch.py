@@ -181,3 +181,35 @@ def test_ctrl_c_is_honoured_between_dispatches(tmp_path):
     assert n.step == 12  # the block in flight finished; no step of the next one ran
     assert [s for s, _, _ in train_lines(n)] == list(range(1, 13))
     assert "at step 12" in n.record.stop_reason
+
+
+def array_data(n_batches: int, batch: int = 8) -> dict:
+    x, y, oh = make_arrays(n_batches * batch + 16, seed=4)
+    return {
+        "train": jn.ArraySource({"x": x[:-16], "label": oh[:-16], "y": y[:-16]}, batch_size=batch,
+                                shuffle=True, drop_last=True, seed=3),
+        "val": jn.ArraySource({"x": x[-16:], "label": oh[-16:]}, batch_size=batch),
+    }
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_column_source_gathers_whole_blocks_bitwise(tmp_path, monkeypatch, on_device):
+    """An ArraySource's blocks are read by row numbers, one gather per field: on the host
+    (the CPU backend's way), or on the device from fields put there once (an accelerator's
+    way, forced here). Both equal one step a dispatch: shuffled rows, keys, accum, a remainder."""
+    from jaxnitro import blocks, trainer
+
+    if on_device:
+        monkeypatch.setattr(trainer, "stages_on_device", lambda: True)
+    gathered = []
+    monkeypatch.setattr(blocks, "_gather", lambda cols, rows, _f=blocks._gather: gathered.append(rows) or _f(cols, rows))
+    made = []
+    monkeypatch.setattr(blocks.ColumnBlocks, "block", lambda self, *a, _f=blocks.ColumnBlocks.block:
+                        made.append(a) or _f(self, *a))
+    d = array_data(14)  # accum 2, k 3: 7 steps an epoch = 2 blocks + 1 remainder step
+    kw = dict(data=d, accum=2, max_epochs=2)
+    ref = run(Dropout, tmp_path, **kw)
+    got = run(Dropout, tmp_path, steps_per_dispatch=3, **kw)
+    assert_same(ref, got)
+    assert len(made) == 4 and len(gathered) == (4 if on_device else 0)
+    assert [r.shape for r in gathered] == [(3, 2, 8)] * len(gathered)

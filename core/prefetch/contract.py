@@ -13,6 +13,10 @@ In: a source object. Out:
   ``ValueError`` for a bad ``prefetch_workers`` attribute;
 * :func:`check_epoch`: an epoch number as an ``int``; ``ValueError`` unless
   it is an int >= 0;
+* optionally, a *column source* also offers ``columns()`` (``{field: in-memory array}``,
+  or None), ``order(epoch)`` (the epoch's row order) and ``batch_size``, such that batch
+  ``i`` of epoch ``e`` is ``{f: columns[f][order(e)[i * batch_size:(i + 1) * batch_size]]}``;
+  the loop then reads ``steps_per_dispatch`` blocks by row numbers (``jaxnitro.blocks``);
 * :func:`check_batch_at`: ``None`` when an addressable source keeps the
   contract; ``TypeError`` when it lacks a method or ``len()``, ``ValueError``
   naming the batch index and field that breaks it.
