@@ -283,8 +283,9 @@ def check_eval_splits(e, plan, state, device_values: dict, data: dict, monitor) 
       reserved `key` column, and no batch is wider than the train batch;
     * on a training handle with a ``monitor`` (a `train` and a `val` split: validation runs
       after the first epoch and the monitored metric must be there): `forward`, `metrics`
-      (or the default loss metric) and `finalize_metrics` are called once on that batch,
-      eagerly (no program is compiled, the cache is untouched), and the result is checked:
+      (or the default loss metric) and `finalize_metrics` see that batch (the traced hooks
+      through ``jax.eval_shape``: nothing runs on the device, nothing compiles; host-side
+      hooks see zeros of the outputs' shapes), and the result is checked:
       batch-first outputs, no metric named like a fixed history column, the monitored metric
       present and a scalar. Those hooks are thus called once more than the run calls them.
     """
@@ -339,8 +340,16 @@ def _check_val_widths(src, first_width: int, width: int) -> None:
             )
 
 
+def _zeros_like(tree):
+    """NumPy zeros in the shapes and dtypes of ``tree`` (``jax.eval_shape``'s structs)."""
+    return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), tree)
+
+
 def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monitor) -> None:
-    """Run `forward` and the metrics on ``first`` without compiling; check what comes out."""
+    """Trace `forward` (and a device-resident `metrics`) on ``first`` with ``jax.eval_shape``:
+    nothing runs on the device and nothing compiles. Host-side `metrics` (or the default loss
+    metric) and `finalize_metrics` then see zeros of the outputs' shapes and dtypes (numeric
+    warnings silenced: their values are never used), and what comes out is checked."""
     from .programs import with_key
 
     nitro = types.SimpleNamespace(plan=plan, state=state, experiment=e, device_values=device_values)
@@ -348,29 +357,37 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
     on_device = plan.metrics_on_device
     hooks = ("forward", "metrics") if on_device else ("forward",)
     n, w, inputs = _staged_for_forward(nitro, first, hooks, "the `val` split's first batch")
-    view = progs.view(device_values)
     forward_fields = set(plan.routes["forward"].fields) | {KEY_DATA, KEY_COUNT}
-    outputs, _ = progs._forward(
-        view, state.params, state.model_state, with_key({k: v for k, v in inputs.items() if k in forward_fields}),
-        inference=True,
-    )
+
+    def forward(params, model_state, dev, batch):
+        outputs, _ = progs._forward(progs.view(dev), params, model_state, with_key(batch), inference=True)
+        return outputs
+
+    batch = {k: v for k, v in inputs.items() if k in forward_fields}
+    outputs = jax.eval_shape(forward, state.params, state.model_state, device_values, batch)
     acc = MetricAccumulator()
-    if on_device:
-        outputs = slice_outputs(outputs, n, w)
-        sliced = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()}
-        res = plan.hooks["metrics"].function(view, outputs, **plan.routes["metrics"].select(with_key(sliced)))
-        acc.add(jax.device_get(res))
-    else:
-        host_out = slice_outputs(jax.device_get(outputs), n, w)
-        if "metrics" in plan.hooks:
-            acc.add(plan.hooks["metrics"].function(e, host_out, **plan.routes["metrics"].select(first)))
-        elif "loss" in plan.hooks:
-            batch = first
-            if plan.routes["loss"].wants_key:
-                batch = {**first, KEY: jax.random.fold_in(state.rng, 0)}
-            value = plan.hooks["loss"].function(view, host_out, **plan.routes["loss"].select(batch))
-            acc.add({"loss": (np.asarray(value), 1)})
-    final = _finalized(plan, e, acc.result(), "val")
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if on_device:
+            sliced = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()}
+
+            def device_metrics(dev, outputs, batch):
+                view = progs.view(dev)
+                return plan.hooks["metrics"].function(view, outputs, **plan.routes["metrics"].select(with_key(batch)))
+
+            res = jax.eval_shape(device_metrics, device_values, slice_outputs(_zeros_like(outputs), n, w), sliced)
+            acc.add(_zeros_like(res))
+        else:
+            host_out = slice_outputs(_zeros_like(outputs), n, w)
+            if "metrics" in plan.hooks:
+                acc.add(plan.hooks["metrics"].function(e, host_out, **plan.routes["metrics"].select(first)))
+            elif "loss" in plan.hooks:
+                def loss(dev, out, rng):
+                    batch = {**first, KEY: jax.random.fold_in(rng, 0)} if plan.routes["loss"].wants_key else first
+                    return plan.hooks["loss"].function(progs.view(dev), out, **plan.routes["loss"].select(batch))
+
+                acc.add({"loss": (_zeros_like(jax.eval_shape(loss, device_values, host_out, state.rng)), 1)})
+        final = _finalized(plan, e, acc.result(), "val")
     if monitor is None:
         return
     name = monitor[0]
