@@ -151,9 +151,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sync-cpu", action=argparse.BooleanOptionalAction, default=True,
-                        help="synchronous CPU dispatch for both sides (default): with more forced CPU devices "
-                             "than cores, deep queues of asynchronously dispatched sharded steps can starve "
-                             "XLA's collective rendezvous (it aborts after 40 s)")
+                        help="synchronous CPU dispatch for both sides (default). With more forced CPU devices "
+                             "than free cores, XLA's CPU all-reduce can miss its 40 s rendezvous and abort the "
+                             "process (seen here at >= 150 steps per run on 2 contended cores, with or without "
+                             "this); 60 steps per run completes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--procs", type=int, default=1, help=argparse.SUPPRESS)
