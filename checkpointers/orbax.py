@@ -395,7 +395,10 @@ class _Saver:
         self.monitor = run.monitor
         self.dir = os.path.join(os.path.abspath(run.run_dir), CHECKPOINTS)
         ocp = _ocp()
-        known = _recorded_metrics(self.dir, self.monitor)  # a continued run folder's checkpoints
+        exists, dist = os.path.isdir(self.dir), nitro.plan.dist
+        if dist is not None and dist.multi_process:  # every process takes the same orbax path
+            exists = dist.from_main(exists)
+        known = _recorded_metrics(self.dir, self.monitor) if exists else {}  # a continued run folder's
         self.policy = _policy(ckpt.policies(self.monitor, self.validated), self.monitor, known)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self.policy,
