@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from .routing import KEY_COUNT, KEY_DATA
 
 __all__ = [
+    "ProcessPart",
     "AXIS", "Dist", "setup_devices", "initialize", "make_dist", "check_n_devs", "HEARTBEAT_TIMEOUT_S",
 ]
 
@@ -376,6 +377,54 @@ def split_for_process(source, split: str, dist: Dist | None):
     if callable(split_fn):
         return split_fn(dist.process_index, dist.process_count)
     return source
+
+
+@dataclass(frozen=True)
+class ProcessPart:
+    """Process ``index`` of ``count``'s part of every batch of an index-addressable source.
+
+    Every process draws the same epoch plan; of each batch of ``batch_size`` rows (positions
+    ``i * batch_size`` on in the epoch's row order) process ``p`` reads the ``p``-th of
+    ``count`` equal slices, ``size = batch_size // count`` rows, so the processes' parts put
+    together are the one-process batch, row for row. A partial final batch is cut the same
+    way: a process whose slice of it is empty has one batch fewer. Sources that split by
+    process (``ArraySource``, ``TorchSource``, ``GrainSource``) share this arithmetic.
+    """
+
+    index: int
+    count: int
+    batch_size: int
+    used: int
+    """Rows an epoch reads (its batches' rows: ``drop_last`` leaves out the partial batch's)."""
+
+    @classmethod
+    def of(cls, index, count, batch_size: int, used: int, who: str) -> "ProcessPart":
+        """Validate and make; ``ValueError`` (naming ``who``) for a bad index or count, or a
+        ``batch_size`` that does not divide by ``count``."""
+        p = _check_count("process_index", index, 0)
+        c = _check_count("process_count", count, 1)
+        if p >= c:
+            raise ValueError(f"{who}: process_index {p} is not below process_count {c}")
+        if batch_size % c:
+            raise ValueError(
+                f"{who}: batch_size={batch_size} does not divide among {c} processes (each reads an "
+                f"equal part of every batch); use a multiple of {c}, e.g. {batch_size - batch_size % c or c}"
+            )
+        return cls(p, c, int(batch_size), int(used))
+
+    @property
+    def size(self) -> int:
+        """Rows of a full part (``batch_size // count``)."""
+        return self.batch_size // self.count
+
+    def span(self, i: int) -> tuple[int, int]:
+        """``(start, stop)`` of batch ``i``'s part, as positions in the epoch's row order."""
+        start = i * self.batch_size + self.index * self.size
+        return start, min(start + self.size, self.used)
+
+    def batches(self, n_batches: int) -> int:
+        """This process's batches of a source with ``n_batches`` batches an epoch."""
+        return n_batches - (0 if self.span(n_batches - 1)[0] < self.used else 1)
 
 
 def check_batch_divides(width: int | None, dist: Dist, where: str = "the `train` split's batches") -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxnitro.distributed import ProcessPart
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.prefetch.contract import check_epoch
 
@@ -146,7 +147,7 @@ class ArraySource:
         if not mapped:
             self.prefetch_workers = 0
         self._global_len = self._len  # batches of the whole data set (all processes)
-        self._part = (0, self.batch_size)  # (this process's slot, rows it reads of every batch)
+        self._part = ProcessPart.of(0, 1, self.batch_size, self.rows, "ArraySource")  # the rows it reads
         self.process: tuple[int, int] = (0, 1)
         """``(process_index, process_count)`` this source reads for (see :meth:`for_process`)."""
         self._lock = threading.Lock()
@@ -214,39 +215,29 @@ class ArraySource:
 
         Raises ``ValueError`` when ``batch_size`` does not divide by ``process_count``.
         """
-        p = _check_int("process_index", process_index, 0)
-        c = _check_int("process_count", process_count, 1)
-        if p >= c:
-            raise ValueError(f"ArraySource: process_index {p} is not below process_count {c}")
-        if self.process == (p, c):
+        part = ProcessPart.of(
+            process_index, process_count, self.batch_size, min(self.rows, self._global_len * self.batch_size),
+            "ArraySource",
+        )
+        if self.process == (part.index, part.count):
             return self
         if self.process != (0, 1):
             raise ValueError(
                 f"ArraySource: this source already reads for process {self.process[0]} of "
                 f"{self.process[1]}; split the original source instead"
             )
-        if c == 1:
+        if part.count == 1:
             return self
-        b = self.batch_size
-        if b % c:
-            raise ValueError(
-                f"ArraySource: batch_size={b} does not divide among {c} processes (each reads an "
-                f"equal part of every batch); use a multiple of {c}, e.g. {b - b % c or c}"
-            )
-        part = copy.copy(self)
-        part._part = (p, b // c)
-        part.process = (p, c)
-        part._lock = threading.Lock()
-        used = min(self.rows, self._global_len * b)
-        part._len = self._global_len - (0 if (self._global_len - 1) * b + p * (b // c) < used else 1)
-        if part._len == 0:
-            raise ValueError(f"ArraySource: {self.rows} rows leave process {p} of {c} no batch")
-        return part
+        mine = copy.copy(self)
+        mine._part, mine.process = part, (part.index, part.count)
+        mine._lock = threading.Lock()
+        mine._len = part.batches(self._global_len)
+        if mine._len == 0:
+            raise ValueError(f"ArraySource: {self.rows} rows leave process {part.index} of {part.count} no batch")
+        return mine
 
     def _read(self, plan: np.ndarray | None, i: int) -> dict[str, np.ndarray]:
-        slot, size = self._part
-        start = i * self.batch_size + slot * size
-        stop = min(start + size, self.rows)
+        start, stop = self._part.span(i)
         if plan is None:
             return {
                 k: np.array(a[start:stop]) if k in self.mapped else a[start:stop]

@@ -35,6 +35,7 @@ module loads, registers and answers ``None`` without grain installed.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from jaxnitro.distributed import ProcessPart
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.sources import as_batch, check_fields
 from jaxnitro.prefetch.contract import check_epoch
@@ -185,6 +187,7 @@ class GrainSource:
                 "repeat: jaxnitro's epochs repeat the data, each epoch reshuffled by grain"
             )
         self._read = _batched_read(dataset) or dataset.__getitem__
+        self._part = None  # a ProcessPart after for_process: this process's slice of every batch
         self._plan = (0, 0)  # (epoch, grain index of the epoch's batch 0)
 
     def __len__(self) -> int:
@@ -206,7 +209,45 @@ class GrainSource:
         epoch, offset = self._plan
         return self._batch(epoch, offset, int(i))
 
+    def for_process(self, process_index: int, process_count: int) -> "GrainSource":
+        """This source as process ``process_index`` of ``process_count`` reads it in a
+        multi-process job (jaxnitro calls it for the splits ``build_data`` returns): of each of
+        the pipeline's batches, process ``p`` keeps the ``p``-th of ``process_count`` equal row
+        slices, so the parts put together are the one-process batch (see
+        ``jaxnitro.distributed.ProcessPart``). grain assembles a batch whole, so each process
+        reads every batch and keeps its slice; to read less, shard the records in the pipeline
+        (e.g. ``ds[process_index::process_count]`` before ``.batch``) and hand each process its
+        own pipeline (``build_data`` receives ``dist``).
+
+        Raises ``ValueError`` when the first batch's rows do not divide by ``process_count``.
+        """
+        if self._part is not None:
+            if (self._part.index, self._part.count) == (process_index, process_count):
+                return self
+            raise ValueError(
+                f"GrainSource: this source already reads for process {self._part.index} of "
+                f"{self._part.count}; split the original source instead"
+            )
+        if process_count == 1:
+            return self
+        width = len(next(iter(self._batch(0, 0, 0).values())))
+        last = len(next(iter(self._batch(0, 0, self._len - 1).values())))
+        part = ProcessPart.of(process_index, process_count, width, (self._len - 1) * width + last, "GrainSource")
+        mine = copy.copy(self)
+        mine._part, mine._len = part, part.batches(self._len)
+        if mine._len == 0:
+            raise ValueError(f"GrainSource: the batches leave process {part.index} of {part.count} no batch")
+        return mine
+
     def _batch(self, epoch: int, offset: int, i: int) -> dict:
+        if self._part is not None:
+            start, stop = self._part.span(i)
+            first = i * self._part.batch_size
+            batch = self._whole(epoch, offset, i)
+            return {k: v[start - first : stop - first] for k, v in batch.items()}
+        return self._whole(epoch, offset, i)
+
+    def _whole(self, epoch: int, offset: int, i: int) -> dict:
         value = self._read(offset + i)
         if value is None:
             raise ValueError(
@@ -223,7 +264,8 @@ class GrainSource:
             yield self._batch(epoch, offset, i)
 
     def __repr__(self) -> str:
-        return f"GrainSource({len(self)} batches, epoch {self.epoch}, {self.dataset})"
+        part = "" if self._part is None else f", process={self._part.index} of {self._part.count}"
+        return f"GrainSource({len(self)} batches, epoch {self.epoch}{part}, {self.dataset})"
 
 
 # -- iterated: an IterDataset or a DataLoader ------------------------------------------------

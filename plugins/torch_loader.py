@@ -23,6 +23,7 @@ this module loads, registers and answers ``None`` without torch installed.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 import warnings
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from jaxnitro.distributed import ProcessPart
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.sources import as_batch, check_fields
 from jaxnitro.prefetch.contract import check_epoch
@@ -175,6 +177,7 @@ class TorchSource:
         self._getitems = getitems if getitems else None
         self.prefetch_workers = int(loader.num_workers)
         self._warn_ineffective(loader)
+        self._part = None  # a ProcessPart after for_process: this process's part of every batch
         self._plan: tuple[int, np.ndarray] = (0, self._order(0))
 
     @staticmethod
@@ -229,11 +232,44 @@ class TorchSource:
             raise IndexError(f"TorchSource: batch {i} out of range [0, {self._len})")
         return self._read(self._plan[1], int(i))
 
+    def for_process(self, process_index: int, process_count: int) -> "TorchSource":
+        """This source as process ``process_index`` of ``process_count`` reads it in a
+        multi-process job (jaxnitro calls it for the splits ``build_data`` returns): every
+        process draws the same epoch order, and of each batch process ``p`` reads (fetches from
+        the dataset and collates) only the ``p``-th of ``process_count`` equal parts, so the
+        parts put together are the one-process batch (see ``jaxnitro.distributed.ProcessPart``).
+
+        Raises ``ValueError`` when the batch size does not divide by ``process_count``, or the
+        loader has no batch size (``batch_size=None``: its batches cannot be split).
+        """
+        if self.batch_size is None:
+            raise ValueError(
+                "TorchSource: a DataLoader with batch_size=None yields whole batches from the "
+                "dataset, which cannot be split among processes; give the loader a batch_size"
+            )
+        n = len(self.sampler)
+        part = ProcessPart.of(
+            process_index, process_count, self.batch_size, min(n, self._len * self.batch_size), "TorchSource"
+        )
+        if part.count == 1 or self._part is not None:
+            if self._part is None or (self._part.index, self._part.count) == (part.index, part.count):
+                return self
+            raise ValueError(
+                f"TorchSource: this source already reads for process {self._part.index} of "
+                f"{self._part.count}; split the original source instead"
+            )
+        mine = copy.copy(self)
+        mine._part, mine._len = part, part.batches(self._len)
+        if mine._len == 0:
+            raise ValueError(f"TorchSource: {n} samples leave process {part.index} of {part.count} no batch")
+        return mine
+
     def _read(self, order: np.ndarray, i: int) -> dict:
         if self.batch_size is None:  # no auto-batching: the dataset returns whole batches
             value = self.collate_fn(self.dataset[int(order[i])])
         else:
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size].tolist()
+            start, stop = (i * self.batch_size, (i + 1) * self.batch_size) if self._part is None else self._part.span(i)
+            idx = order[start:stop].tolist()
             samples = self._getitems(idx) if self._getitems else [self.dataset[j] for j in idx]
             value = self.collate_fn(samples)
         return _as_batch(value, self.fields, f"the DataLoader's batch {i}")
@@ -248,7 +284,7 @@ class TorchSource:
         return (
             f"TorchSource({type(self.dataset).__name__}, {self._len} batches, batch_size="
             f"{self.batch_size}, sampler={type(self.sampler).__name__}, drop_last={self.drop_last}, "
-            f"seed={self.seed})"
+            f"seed={self.seed}{'' if self._part is None else f', process={self._part.index} of {self._part.count}'})"
         )
 
 

@@ -202,3 +202,26 @@ def test_module_loads_and_answers_none_without_grain(monkeypatch):
             fresh.GrainSource(object())
     finally:
         pm.unregister(name="grain_loader_without_grain")
+
+
+@pytest.mark.parametrize("n,drop", [(96, True), (90, False)])
+def test_for_process_parts_make_the_whole_batch(grain, n, drop):
+    """Of each batch, process p keeps the p-th half: the halves put together are the batch; a
+    last batch of 10 rows (90 = 5 x 16 + 10) gives process 1 rows 8..9, not a batch fewer;
+    a partial batch of under 8 rows would."""
+    whole = mod.GrainSource(pipeline(grain, n=n, drop=drop))
+    parts = [whole.for_process(p, 2) for p in range(2)]
+    assert [len(q) for q in parts] == [6, 6]
+    for epoch in (0, 2):
+        for src in (whole, *parts):
+            src.begin_epoch(epoch)
+        for i in range(len(whole)):
+            got = [q.batch_at(i)["row"] for q in parts if i < len(q)]
+            np.testing.assert_array_equal(np.concatenate(got), whole.batch_at(i)["row"])
+    assert "process=1 of 2" in repr(parts[1]) and parts[0].for_process(0, 2) is parts[0]
+    short = mod.GrainSource(pipeline(grain, n=84, drop=False))  # last batch: 4 rows, all process 0's
+    assert [len(short.for_process(p, 2)) for p in range(2)] == [6, 5]
+    with pytest.raises(ValueError, match=r"GrainSource: batch_size=16 does not divide among 3 processes"):
+        whole.for_process(0, 3)
+    with pytest.raises(ValueError, match="already reads for process 1 of 2"):
+        parts[1].for_process(0, 4)

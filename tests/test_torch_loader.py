@@ -272,3 +272,41 @@ def test_module_loads_and_answers_none_without_torch(monkeypatch):
             fresh.TorchSource(object())
     finally:
         pm.unregister(name="torch_loader_without_torch")
+
+
+def test_for_process_reads_only_its_part_of_each_batch(torch):
+    """Of each batch process p fetches only the p-th half of the rows; the halves put together
+    are the one-process batch. A last batch of 4 rows (84 = 5 x 16 + 4) is all process 0's."""
+    fetched = []
+
+    class Counting(torch.utils.data.Dataset):
+        def __init__(self):
+            self.inner = rows_dataset(torch, 84)
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, i):
+            fetched.append(i)
+            return self.inner[i]
+
+    def make():
+        return mod.TorchSource(torch.utils.data.DataLoader(Counting(), batch_size=16, shuffle=True), seed=5)
+
+    whole = make()
+    parts = [make().for_process(p, 2) for p in range(2)]
+    assert [len(q) for q in parts] == [6, 5] and len(whole) == 6
+    for epoch in (0, 1):
+        for src in (whole, *parts):
+            src.begin_epoch(epoch)
+        for i in range(len(whole)):
+            got = [q.batch_at(i)["row"] for q in parts if i < len(q)]
+            np.testing.assert_array_equal(np.concatenate(got), whole.batch_at(i)["row"])
+    fetched.clear()
+    parts[1].batch_at(0)
+    assert len(fetched) == 8  # its half only
+    assert "process=1 of 2" in repr(parts[1])
+    with pytest.raises(ValueError, match=r"TorchSource: batch_size=16 does not divide among 3 processes"):
+        make().for_process(0, 3)
+    with pytest.raises(ValueError, match=r"batch_size=None .* cannot be split among processes"):
+        mod.TorchSource(torch.utils.data.DataLoader(Counting(), batch_size=None)).for_process(0, 2)
