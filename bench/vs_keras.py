@@ -48,10 +48,12 @@ import optax
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "mnist"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-import jaxnitro as jn
+import jaxnitro as jn  # noqa: E402
+from mlp_step import SMOOTHING, make_step  # noqa: E402
 
-BATCH, WIDTH, LR, EPS, SMOOTHING = 100, 128, 1e-3, 1e-8, 0.05
+BATCH, WIDTH, LR, EPS = 100, 128, 1e-3, 1e-8
 
 
 def load(rows: int, synthetic: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -72,30 +74,14 @@ def load(rows: int, synthetic: bool) -> tuple[np.ndarray, np.ndarray]:
 # -- the MLP, its loss and its step, shared by the hand-written loop and the scan limit ----------
 
 
-def _mlp(seed: int = 0):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return (eqx.nn.Linear(784, WIDTH, key=k1), eqx.nn.Linear(WIDTH, 10, key=k2))
-
-
 def _smoothed_ce(logits, label):
     target = (1.0 - SMOOTHING) * label + SMOOTHING / label.shape[-1]
     return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1)) / label.shape[0]
 
 
 def _step_fn():
-    params, static = eqx.partition(_mlp(), eqx.is_inexact_array)
-    opt = optax.adam(LR, eps=EPS)
-
-    def loss_fn(params, x, y):
-        l1, l2 = eqx.combine(params, static)
-        return _smoothed_ce(jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(x), y)
-
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return params, opt.init(params), step
+    """``bench/mlp_step.py``'s model and step, with Adam (Keras has no RAdam)."""
+    return make_step(0, WIDTH, optax.adam(LR, eps=EPS))
 
 
 class HandWritten:

@@ -328,7 +328,7 @@ class _Run:
         step_fn, block_fn, scale = self.step_prog.jitted, self.block_prog.jitted, self.scale
         dev = nitro.device_values
         block_dev = {n: v for n, v in dev.items() if n not in scheds.device}
-        extra, accum, size = self.extra, self.accum, k * self.accum
+        extra, accum = self.extra, self.accum
         put = jax.device_put if stages_on_device() else None
         one = None  # the remainder's single batches: numpy, or sharded on the mesh
         if self.dist is not None:  # a block's batch dimension is its third: [k, accum, batch, ...]

@@ -1,0 +1,39 @@
+"""The hand-written baseline's model and train step, shared by the benches.
+
+The tutorial's MLP (784-width-10, ReLU) as two ``eqx.nn.Linear`` layers, partitioned
+ONCE into arrays and static structure, label-smoothed softmax cross entropy, and one
+optax update: what a careful user writes without a framework. It imports no jaxnitro,
+so ``bench/first_step.py`` can time a process that never loads it.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+SMOOTHING = 0.05
+
+
+def make_step(seed: int = 0, width: int = 128, opt=None):
+    """``(params, opt_state, step)`` for the MLP: ``step(params, opt_state, x, y) -> (params,
+    opt_state, loss)``, not jitted (the caller jits it, with its own shardings or donation).
+    ``opt``: an optax transformation (default ``optax.radam(1e-3)``)."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    model = (eqx.nn.Linear(784, width, key=k1), eqx.nn.Linear(width, 10, key=k2))
+    params, static = eqx.partition(model, eqx.is_inexact_array)  # once, not per step
+    opt = optax.radam(1e-3) if opt is None else opt
+
+    def loss_fn(params, x, y):
+        l1, l2 = eqx.combine(params, static)
+        logits = jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(x)
+        target = (1.0 - SMOOTHING) * y + SMOOTHING / y.shape[-1]
+        return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1)) / x.shape[0]
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return params, opt.init(params), step
