@@ -107,8 +107,9 @@ def _rows_close(a, b):
                 assert r[k] == pytest.approx(s[k], rel=RTOL, abs=ATOL), k
 
 
-def test_one_two_and_four_devices_train_alike():
-    res = subprocess.run([PY, "-c", DEVICES_CHECK], capture_output=True, text=True, env=_env(), timeout=300, cwd=HERE)
+def test_one_two_and_four_devices_train_alike(tmp_path):
+    # cwd: its runs' default run_dir ("runs") lands in the test's temporary folder
+    res = subprocess.run([PY, "-c", DEVICES_CHECK], capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.split("RESULT", 1)[1])
     for n in ("2", "4"):
@@ -137,7 +138,7 @@ def _child(out, run_dir, n_procs, pid, port, local, extra=None):
     args = [PY, str(HERE / "scale_out_child.py"), str(out), str(run_dir), str(n_procs), str(pid), str(port), str(local)]
     if extra:
         args.append(json.dumps(extra))
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=HERE)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=Path(run_dir).parent)
 
 
 def _wait(procs, timeout=240):
