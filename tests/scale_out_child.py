@@ -106,6 +106,9 @@ result = {
     "report": repr(nitro),
     "replicated": all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(nitro.params)),
 }
+if "checkpointer" in knobs:  # what the run's last checkpoint holds, read back into a new handle
+    restored = jn.Nitro(Par(), run_dir=run_dir, weights=(nitro.run_dir, "last"), logger=None)
+    result["checkpoint_params"] = [np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(restored.params)]
 if n_procs == 1 or pid == 0:
     with open(out, "w") as f:
         json.dump(result, f)

@@ -161,11 +161,14 @@ def test_two_processes_train_as_one_process_on_four_devices_and_resume_in_one(tm
     port = _free_port()
     ckpt = {"checkpointer": 1}
     procs = [_child(tmp_path / "two.json", tmp_path / "two", 2, p, port, 2, ckpt) for p in (0, 1)]
-    procs.append(_child(tmp_path / "one.json", tmp_path / "one", 1, 0, 0, 4))
+    procs.append(_child(tmp_path / "one.json", tmp_path / "one", 1, 0, 0, 4, ckpt))
     codes, logs = _wait(procs)
     assert codes == [0, 0, 0], "\n".join(log[-3000:] for log in logs)
     two, one = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
     _close(one["params"], two["params"])
+    # the checkpoints hold the same state: each equals its run's params, and the two runs' agree
+    _close(two["checkpoint_params"], two["params"])
+    _close(one["checkpoint_params"], two["checkpoint_params"])
     _rows_close(one["rows"], two["rows"])  # acc (counted), n (sum), top/low (max/min), pred (concat)
     assert two["replicated"] and two["n_devs"] == 4 and one["n_devs"] == 4
     assert two["seen"] == [[0, 2, 2]]  # build_data got dist: process 0 of 2, 2 local devices
@@ -193,7 +196,8 @@ def test_a_lost_process_stops_the_other_with_an_error_in_bounded_time(tmp_path):
     10 s in the child) instead of waiting forever."""
     port = _free_port()
     t0 = time.monotonic()
-    procs = [_child(tmp_path / "out.json", tmp_path / "runs", 2, p, port, 2, {"die_at_epoch": 2}) for p in (0, 1)]
+    procs = [_child(tmp_path / "out.json", tmp_path / "runs", 2, p, port, 2, {"die_at_epoch": 2, "checkpointer": 1})
+             for p in (0, 1)]
     codes, logs = _wait(procs, timeout=180)
     elapsed = time.monotonic() - t0
     assert codes[1] == 17  # the process that died
@@ -202,3 +206,10 @@ def test_a_lost_process_stops_the_other_with_an_error_in_bounded_time(tmp_path):
     assert "The following tasks are unhealthy (stopped sending heartbeats):\n1" in logs[0]
     assert elapsed < 150  # heartbeat 10 s: measured ~13 s from the start, both processes included
     assert not (tmp_path / "out.json").exists()
+    # the job's last complete checkpoint (epoch 1) resumes in one process, which finishes the run
+    resumed = _child(tmp_path / "resumed.json", tmp_path / "runs", 1, 0, 0, 4, {"resume": "auto"})
+    codes, logs = _wait([resumed])
+    assert codes == [0], logs[0][-3000:]
+    r = json.loads((tmp_path / "resumed.json").read_text())
+    assert [(row["epoch"], row["step"]) for row in r["rows"]] == [(2, 16), (3, 24)]
+    assert all(np.isfinite(row["train_loss"]) for row in r["rows"])
