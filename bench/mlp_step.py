@@ -37,3 +37,14 @@ def make_step(seed: int = 0, width: int = 128, opt=None):
         return optax.apply_updates(params, updates), opt_state, loss
 
     return params, opt.init(params), step
+
+
+def endless_batches(source):
+    """The batches of an index-addressable ``source`` (``begin_epoch``/``batch_at``), epoch
+    after epoch, as a hand-written loop reads them."""
+    epoch = 0
+    while True:
+        source.begin_epoch(epoch)
+        for i in range(len(source)):
+            yield source.batch_at(i)
+        epoch += 1

