@@ -319,8 +319,11 @@ class ProgramSet:
 
         ``(param_leaves, state_leaves, opt_leaves, dev, dev_steps, extra, batches, scale,
         hypers)`` -> ``(param_leaves, state_leaves, opt_leaves, aux)``. ``batches`` holds
-        every field with leading axes ``[k, accum]``; ``dev_steps`` the scheduled Device
-        values ``[k]`` (they override ``dev``); ``hypers`` ``[k, n]``; ``extra`` entries
+        every field with leading axes ``[k, accum]``; ``dev_steps`` Device values with a
+        leading ``[k]`` axis, one per step (they override ``dev``; the loop passes every
+        Device value this way, scheduled or not, so that none is loop-invariant to XLA, which
+        could otherwise reassociate arithmetic with it and round differently from the
+        one-step program); ``hypers`` ``[k, n]``; ``extra`` entries
         (the run's base key) join every micro-batch; ``aux`` is ``[k, len(aux_names)]``.
         ``k`` and ``accum`` are read from the shapes: changing ``k`` traces this program
         again (one compile), nothing else. The bodies are the ones :meth:`accumulate` and

@@ -21,6 +21,7 @@ import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import structlog
 
@@ -327,7 +328,11 @@ class _Run:
         nitro, scheds, accumulate, k = self.nitro, self.scheds, self.accumulate, self.k
         step_fn, block_fn, scale = self.step_prog.jitted, self.block_prog.jitted, self.scale
         dev = nitro.device_values
-        block_dev = {n: v for n, v in dev.items() if n not in scheds.device}
+        # every Device value enters the block per step, as a scanned input like the scheduled
+        # ones: a value closed over by the loop is loop-invariant to XLA, which may then
+        # reassociate arithmetic with it (hoisting it out of the loop) and round differently
+        # from the one-step program; a per-step input keeps the step's arithmetic as it is
+        tiled = {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in dev.items() if n not in scheds.device}
         extra, accum = self.extra, self.accum
         put = jax.device_put if stages_on_device() else None
         one = None  # the remainder's single batches: numpy, or sharded on the mesh
@@ -352,7 +357,7 @@ class _Run:
                 if block is None:
                     break
                 params, mstate, opt_state, aux = block_fn(
-                    params, mstate, opt_state, block_dev, scheds.dev_block(step, k), extra, block, scale,
+                    params, mstate, opt_state, {}, {**tiled, **scheds.dev_block(step, k)}, extra, block, scale,
                     scheds.hypers_block(step, k),
                 )
                 step += k
