@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import itertools
 import math
 import os
@@ -332,7 +333,7 @@ class _Run:
         # ones: a value closed over by the loop is loop-invariant to XLA, which may then
         # reassociate arithmetic with it (hoisting it out of the loop) and round differently
         # from the one-step program; a per-step input keeps the step's arithmetic as it is
-        tiled = {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in dev.items() if n not in scheds.device}
+        tiled = _tiled({n: v for n, v in dev.items() if n not in scheds.device}, k)
         extra, accum = self.extra, self.accum
         put = jax.device_put if stages_on_device() else None
         one = None  # the remainder's single batches: numpy, or sharded on the mesh
@@ -584,6 +585,13 @@ class _Run:
                 f"{sorted(metrics)} (what finalize_metrics returned). Return it from "
                 f"`finalize_metrics`/`metrics`, or monitor one of those."
             )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _tiled(values: dict, k: int) -> dict:
+    """Each value with a leading axis of ``k`` copies (compiled: also for arrays spanning the
+    processes of a multi-process job, which eager operations refuse)."""
+    return {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in values.items()}
 
 
 def _keyed(transfer, key_data, counter):
