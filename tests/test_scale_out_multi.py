@@ -213,3 +213,37 @@ def test_a_lost_process_stops_the_other_with_an_error_in_bounded_time(tmp_path):
     r = json.loads((tmp_path / "resumed.json").read_text())
     assert [(row["epoch"], row["step"]) for row in r["rows"]] == [(2, 16), (3, 24)]
     assert all(np.isfinite(row["train_loss"]) for row in r["rows"])
+
+
+MANY_STEPS = textwrap.dedent(
+    """
+    import jaxnitro as jn
+    jn.setup_devices(4)
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+
+    @jn.experiment
+    class Wide:
+        def build_model(self, key):
+            return eqx.nn.MLP(784, 10, 128, 1, key=key)
+        def forward(self, model, state, *, x):
+            return jax.vmap(model)(x), state
+        def loss(self, logits, *, y):
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((20_000, 784), np.float32), rng.integers(0, 10, 20_000).astype(np.int32)
+    src = jn.ArraySource({"x": x, "y": y}, batch_size=400, shuffle=True, drop_last=True)
+    nitro = jn.Nitro(Wide(), data={"train": src}, n_devs=4, max_epochs=8, logger=None)
+    nitro.train()
+    print("RESULT", nitro.step, nitro.status)
+    """
+)
+
+
+def test_a_long_run_on_four_cpu_devices_completes(tmp_path):
+    """400 steps of the tutorial-size MLP at batch 400 on 4 CPU devices: with 128 steps queued,
+    XLA's CPU all-reduce missed its 40 s rendezvous and aborted the process; the loop keeps at
+    most CPU_SHARDED_IN_FLIGHT steps in flight on CPU devices."""
+    res = subprocess.run([PY, "-c", MANY_STEPS], capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "RESULT 400 done" in res.stdout
