@@ -89,6 +89,8 @@ if die_at is not None and pid == 1:  # a lost process: exit without a word once 
     Par.finalize_metrics = finalize_metrics
 if "checkpointer" in knobs:
     knobs["checkpointer"] = jn.Checkpointer(keep=(jn.Last(2),))
+if "early_stop" in knobs:  # patience N; no improvement can reach min_delta=10, so it stops after epoch N + 1
+    knobs["early_stop"] = jn.EarlyStopping(patience=knobs["early_stop"], min_delta=10.0)
 e = Par()
 nitro = jn.Nitro(e, **knobs)
 nitro.train()
@@ -105,6 +107,7 @@ result = {
     "misses": misses,
     "report": repr(nitro),
     "replicated": all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(nitro.params)),
+    "stop_reason": nitro.record.stop_reason,
 }
 if "checkpointer" in knobs:  # what the run's last checkpoint holds, read back into a new handle
     restored = jn.Nitro(Par(), run_dir=run_dir, weights=(nitro.run_dir, "last"), logger=None)

@@ -58,9 +58,11 @@ DEVICES_CHECK = textwrap.dedent(
     out = {}
     for n in (1, 2, 4, 4):
         before = jn.cache_stats().misses
-        nitro = jn.Nitro(Tiny(), data=tiny_data(), n_devs=n, max_epochs=2, logger=None)
+        nitro = jn.Nitro(Tiny(), data=tiny_data(), n_devs=n, max_epochs=2, logger=None,
+                         checkpointer=jn.Checkpointer(keep=(jn.Last(1),)))
         nitro.train()
         leaves = jax.tree_util.tree_leaves(nitro.params)
+        saved = jn.Nitro(Tiny(), data=tiny_data(), n_devs=n, weights=(nitro.run_dir, "last"), logger=None)
         out[str(n)] = {
             "params": [np.asarray(a).tolist() for a in leaves],
             "rows": nitro.rows,
@@ -70,6 +72,8 @@ DEVICES_CHECK = textwrap.dedent(
             "mesh": [a.sharding.mesh.size if hasattr(a.sharding, "mesh") else 1 for a in leaves][0],
             "replicated": all(a.sharding.is_fully_replicated for a in leaves),
             "val": nitro.validate(),
+            "checkpoint": [np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(saved.params)]
+                          + [np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(saved.opt_state)],
         }
     for knobs in ({"steps_per_dispatch": 2}, {"accum": 2}):
         nitro = jn.Nitro(Tiny(), data=tiny_data(), n_devs=4, max_epochs=2, logger=None, **knobs)
@@ -115,6 +119,7 @@ def test_one_two_and_four_devices_train_alike(tmp_path):
     for n in ("2", "4"):
         _close(out["1"]["params"], out[n]["params"])
         _rows_close(out["1"]["rows"], out[n]["rows"])
+        _close(out["1"]["checkpoint"], out[n]["checkpoint"])  # params and optimizer state, as saved
         assert out[n]["val"] == pytest.approx(out["1"]["val"], rel=RTOL)
     assert [out[n]["mesh"] for n in ("1", "2", "4")] == [1, 2, 4]
     assert all(out[n]["replicated"] for n in ("1", "2", "4"))
@@ -189,6 +194,18 @@ def test_two_processes_train_as_one_process_on_four_devices_and_resume_in_one(tm
     r = json.loads((tmp_path / "resumed.json").read_text())
     assert r["run_dir"] == str(runs[0]) and [row["epoch"] for row in r["rows"]] == [4] and r["rows"][0]["step"] == 32
     assert np.isfinite(r["rows"][0]["train_loss"]) and r["rows"][0]["acc"] >= two["rows"][-1]["acc"] - 0.1
+
+
+def test_early_stopping_stops_every_process_at_the_same_epoch(tmp_path):
+    """The processes see the same merged metrics, so early stopping ends the job at the same
+    epoch on both (a process stopping alone would leave the other waiting in a collective)."""
+    port = _free_port()
+    procs = [_child(tmp_path / "out.json", tmp_path / "runs", 2, p, port, 2, {"early_stop": 1, "max_epochs": 5})
+             for p in (0, 1)]
+    codes, logs = _wait(procs, timeout=180)
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [row["epoch"] for row in out["rows"]] == [1, 2] and "early stopping" in out["stop_reason"]
 
 
 def test_a_lost_process_stops_the_other_with_an_error_in_bounded_time(tmp_path):
