@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import copy
 from dataclasses import dataclass
 
 import jax
@@ -425,6 +426,37 @@ class ProcessPart:
     def batches(self, n_batches: int) -> int:
         """This process's batches of a source with ``n_batches`` batches an epoch."""
         return n_batches - (0 if self.span(n_batches - 1)[0] < self.used else 1)
+
+
+def split_by_process(source, index, count, make_part, n_batches: int, who: str):
+    """``source`` as process ``index`` of ``count`` reads it: the source itself when it already
+    reads that part (or ``count`` is 1), else a shallow copy whose ``_part`` is the
+    :class:`ProcessPart` ``make_part()`` returns (called only then: it may read a batch) and
+    whose ``_len`` is its batches of ``n_batches``. The splitting shared by ``ArraySource``,
+    ``TorchSource`` and ``GrainSource`` (``source._part``: a ``ProcessPart``, or None unsplit).
+
+    Raises ``ValueError`` (naming ``who``) for a bad index or count, a source already split for
+    another part, or a part with no batch.
+    """
+    p, c = _check_count("process_index", index, 0), _check_count("process_count", count, 1)
+    if p >= c:
+        raise ValueError(f"{who}: process_index {p} is not below process_count {c}")
+    current = source._part
+    if current is not None and current.count > 1:
+        if (current.index, current.count) == (p, c):
+            return source
+        raise ValueError(
+            f"{who}: this source already reads for process {current.index} of {current.count}; "
+            f"split the original source instead"
+        )
+    if c == 1:
+        return source
+    part = make_part()
+    mine = copy.copy(source)
+    mine._part, mine._len = part, part.batches(n_batches)
+    if mine._len == 0:
+        raise ValueError(f"{who}: the data leaves process {p} of {c} no batch")
+    return mine
 
 
 def check_batch_divides(width: int | None, dist: Dist, where: str = "the `train` split's batches") -> None:

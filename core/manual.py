@@ -17,6 +17,7 @@ schedules, logging, divergence checks, validation, checkpoints, EMA) is unchange
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -150,8 +151,7 @@ class Optimizers:
         grads = spec.clip(grads, self._hypers)
         state = set_hypers(self._states[key], spec, self._hypers)
         updates, state = tx.update(grads, state, params)
-        new = Optimizers.__new__(Optimizers)
-        new._spec, new._hypers = self._spec, self._hypers
+        new = copy.copy(self)
         new._states = {**self._states, key: state}
         return eqx.apply_updates(model, updates), new
 

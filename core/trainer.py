@@ -472,15 +472,14 @@ class _Run:
         check = nitro.settings.check_divergence
         names = self._aux_names()
         # the automatic step checks its loss; a train_step's every returned scalar
-        checked = slice(None) if "train_step" in nitro.plan.hooks else slice(0, 1)
+        manual = "train_step" in nitro.plan.hooks
         first, rows, epochs, closed, diverged = self.first_unread, [], [], [], False
         for row in values:
             s = self.first_unread
             epoch = self.epoch_ends[0][0] if self.epoch_ends else nitro.epoch
-            bad = [n for n, v in zip(names[checked], row[checked]) if not math.isfinite(v)] if check else []
-            if bad:
+            if check and not (all(map(math.isfinite, row)) if manual else math.isfinite(row[0])):
                 nitro.record.diverged_at = (s, epoch)
-                self.diverged_names = tuple(bad)
+                self.diverged_names = tuple(n for n, v in zip(names, row) if not math.isfinite(v))
                 diverged = True
                 break
             self.first_unread += 1

@@ -28,7 +28,6 @@ seed you want reproduced (``seed=self.data_seed`` from an experiment field).
 
 from __future__ import annotations
 
-import copy
 import mmap
 import threading
 from collections.abc import Mapping
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.distributed import ProcessPart
+from jaxnitro.distributed import ProcessPart, split_by_process
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.prefetch.contract import check_epoch
 
@@ -148,14 +147,17 @@ class ArraySource:
             self.prefetch_workers = 0
         self._global_len = self._len  # batches of the whole data set (all processes)
         self._part = ProcessPart.of(0, 1, self.batch_size, self.rows, "ArraySource")  # the rows it reads
-        self.process: tuple[int, int] = (0, 1)
-        """``(process_index, process_count)`` this source reads for (see :meth:`for_process`)."""
         self._lock = threading.Lock()
         self._plan: tuple[int, np.ndarray | None] = (0, None)
         self.begin_epoch(0)
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def process(self) -> tuple[int, int]:
+        """``(process_index, process_count)`` this source reads for (see :meth:`for_process`)."""
+        return self._part.index, self._part.count
 
     @property
     def epoch(self) -> int:
@@ -215,26 +217,12 @@ class ArraySource:
 
         Raises ``ValueError`` when ``batch_size`` does not divide by ``process_count``.
         """
-        part = ProcessPart.of(
-            process_index, process_count, self.batch_size, min(self.rows, self._global_len * self.batch_size),
-            "ArraySource",
+        used = min(self.rows, self._global_len * self.batch_size)
+        return split_by_process(
+            self, process_index, process_count,
+            lambda: ProcessPart.of(process_index, process_count, self.batch_size, used, "ArraySource"),
+            self._global_len, "ArraySource",
         )
-        if self.process == (part.index, part.count):
-            return self
-        if self.process != (0, 1):
-            raise ValueError(
-                f"ArraySource: this source already reads for process {self.process[0]} of "
-                f"{self.process[1]}; split the original source instead"
-            )
-        if part.count == 1:
-            return self
-        mine = copy.copy(self)
-        mine._part, mine.process = part, (part.index, part.count)
-        mine._lock = threading.Lock()
-        mine._len = part.batches(self._global_len)
-        if mine._len == 0:
-            raise ValueError(f"ArraySource: {self.rows} rows leave process {part.index} of {part.count} no batch")
-        return mine
 
     def _read(self, plan: np.ndarray | None, i: int) -> dict[str, np.ndarray]:
         start, stop = self._part.span(i)

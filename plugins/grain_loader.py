@@ -35,7 +35,6 @@ module loads, registers and answers ``None`` without grain installed.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import sys
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.distributed import ProcessPart
+from jaxnitro.distributed import ProcessPart, split_by_process
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.sources import as_batch, check_fields
 from jaxnitro.prefetch.contract import check_epoch
@@ -221,23 +220,12 @@ class GrainSource:
 
         Raises ``ValueError`` when the first batch's rows do not divide by ``process_count``.
         """
-        if self._part is not None:
-            if (self._part.index, self._part.count) == (process_index, process_count):
-                return self
-            raise ValueError(
-                f"GrainSource: this source already reads for process {self._part.index} of "
-                f"{self._part.count}; split the original source instead"
-            )
-        if process_count == 1:
-            return self
-        width = len(next(iter(self._batch(0, 0, 0).values())))
-        last = len(next(iter(self._batch(0, 0, self._len - 1).values())))
-        part = ProcessPart.of(process_index, process_count, width, (self._len - 1) * width + last, "GrainSource")
-        mine = copy.copy(self)
-        mine._part, mine._len = part, part.batches(self._len)
-        if mine._len == 0:
-            raise ValueError(f"GrainSource: the batches leave process {part.index} of {part.count} no batch")
-        return mine
+        def part() -> ProcessPart:  # the batch width from the pipeline's first and last batches
+            width = len(next(iter(self._batch(0, 0, 0).values())))
+            last = len(next(iter(self._batch(0, 0, self._len - 1).values())))
+            return ProcessPart.of(process_index, process_count, width, (self._len - 1) * width + last, "GrainSource")
+
+        return split_by_process(self, process_index, process_count, part, self._len, "GrainSource")
 
     def _batch(self, epoch: int, offset: int, i: int) -> dict:
         if self._part is not None:

@@ -23,7 +23,6 @@ this module loads, registers and answers ``None`` without torch installed.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import sys
 import warnings
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.distributed import ProcessPart
+from jaxnitro.distributed import ProcessPart, split_by_process
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.sources import as_batch, check_fields
 from jaxnitro.prefetch.contract import check_epoch
@@ -247,22 +246,12 @@ class TorchSource:
                 "TorchSource: a DataLoader with batch_size=None yields whole batches from the "
                 "dataset, which cannot be split among processes; give the loader a batch_size"
             )
-        n = len(self.sampler)
-        part = ProcessPart.of(
-            process_index, process_count, self.batch_size, min(n, self._len * self.batch_size), "TorchSource"
+        used = min(len(self.sampler), self._len * self.batch_size)
+        return split_by_process(
+            self, process_index, process_count,
+            lambda: ProcessPart.of(process_index, process_count, self.batch_size, used, "TorchSource"),
+            self._len, "TorchSource",
         )
-        if part.count == 1 or self._part is not None:
-            if self._part is None or (self._part.index, self._part.count) == (part.index, part.count):
-                return self
-            raise ValueError(
-                f"TorchSource: this source already reads for process {self._part.index} of "
-                f"{self._part.count}; split the original source instead"
-            )
-        mine = copy.copy(self)
-        mine._part, mine._len = part, part.batches(self._len)
-        if mine._len == 0:
-            raise ValueError(f"TorchSource: {n} samples leave process {part.index} of {part.count} no batch")
-        return mine
 
     def _read(self, order: np.ndarray, i: int) -> dict:
         if self.batch_size is None:  # no auto-batching: the dataset returns whole batches

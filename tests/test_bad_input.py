@@ -123,6 +123,14 @@ def test_method_named_like_a_non_knob_field_is_refused_at_decoration():
     assert "silently drop the method" in msg(err) and "redeclare the field with a new default" in msg(err)
 
 
+def test_a_train_metric_that_is_not_a_scalar_is_refused_naming_it(tmp_path):
+    per_row = fresh_tiny("PerRow", train_metrics=lambda self, logits, *, label: {"margin": logits[:, 0]})
+    with pytest.raises(TypeError) as err:
+        jn.train(per_row(), run_dir=tmp_path, logger=None)
+    assert "train metric `margin` has shape (16,); `train_metrics` returns per-step scalars" in msg(err)
+    assert "Reduce it (e.g. `.mean()`)" in msg(err)
+
+
 def test_a_train_step_with_the_wrong_positionals_is_refused_by_name():
     with pytest.raises(TypeError) as err:
         jn.Nitro(fresh_tiny("Manual", train_step=lambda self, model, *, x: model)(), logger=None)
