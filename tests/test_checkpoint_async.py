@@ -3,7 +3,8 @@ behind the epochs (dropped when the keep policies would delete them, never other
 a run's end that waits for every save.
 
 Saves are slowed down (a sleep before each orbax save) so that the loop runs epochs ahead
-of the worker thread; nothing here measures time.
+of the worker thread. ``min_interval`` holds epochs back for a time; the one test of
+``"auto"`` asserts only lower bounds on the gaps (a slower machine makes them longer).
 """
 
 from __future__ import annotations
@@ -147,3 +148,64 @@ def test_a_failed_save_is_raised_on_the_loops_thread(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"saving a checkpoint under .*checkpoints failed: OSError"):
         jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None, checkpointer=jn.Checkpointer())
     assert not plugin._SAVERS
+
+
+class SlowEpochs:
+    """Epochs of at least 0.15 s: longer than a (slowed) write."""
+
+    @jn.hookimpl
+    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+        time.sleep(0.15)
+
+
+class OnDisk:
+    """The checkpoint folders on disk at each epoch's end."""
+
+    def __init__(self):
+        self.seen = {}
+
+    @jn.hookimpl
+    def jaxnitro_epoch_end(self, run, row):
+        self.seen[row["epoch"]] = step_dirs(run.run_dir)
+
+
+def test_min_interval_holds_the_epochs_until_the_runs_end(tmp_path, slow_writes):
+    written, _ = slow_writes
+    disk, rec = OnDisk(), Recorder()
+    with run_scoped([disk, rec, SlowEpochs()]):
+        n = jn.train(Ranked(), run_dir=tmp_path, max_epochs=6, logger=None,
+                     checkpointer=jn.Checkpointer(keep=jn.Last(6), min_interval=3600))
+    assert disk.seen[6] == ["6"]  # epoch 1 was written at once (0.1 s), then nothing for an hour
+    assert written == [6, 12, 18, 24, 30, 36] and step_dirs(n.run_dir) == ["6", "12", "18", "24", "30", "36"]
+    for step in written:  # the held snapshots are each epoch's end
+        assert_same(saved_params(n.run_dir, step), rec.params[step])
+
+
+@pytest.mark.parametrize("keep", [(jn.Best(2), jn.Last(1)), (jn.Last(1),)], ids=["best2-last1", "last1"])
+def test_min_interval_keeps_what_every_epoch_saves_keep(tmp_path, keep):
+    every = jn.train(Ranked(), run_dir=tmp_path / "every", max_epochs=6, logger=None,
+                     checkpointer=jn.Checkpointer(keep=keep, min_interval=0, asynchronous=False))
+    held = jn.train(Ranked(), run_dir=tmp_path / "held", max_epochs=6, logger=None,
+                    checkpointer=jn.Checkpointer(keep=keep, min_interval=3600))
+    assert step_dirs(held.run_dir) == step_dirs(every.run_dir)
+
+
+def test_auto_interval_writes_at_most_a_twentieth_of_the_time(tmp_path, monkeypatch):
+    writes = []  # (step, start, end, at the run's end)
+    write = plugin._Saver.write
+
+    def slow(self, item):
+        start = time.monotonic()
+        time.sleep(0.05)
+        write(self, item)
+        writes.append((item.step, start, time.monotonic(), self.finishing))
+
+    monkeypatch.setattr(plugin._Saver, "write", slow)
+    with run_scoped([SlowEpochs()]):
+        n = jn.train(Ranked(), run_dir=tmp_path, max_epochs=10, logger=None,
+                     checkpointer=jn.Checkpointer(keep=jn.Last(1)))
+    assert writes[0][0] == 6 and step_dirs(n.run_dir) == ["60"]
+    assert len(writes) <= 4  # a write takes >= 0.05 s: the next waits >= 0.95 s, in a run of ~1.5 s
+    for (_, start, end, _), (_, after, _, at_end) in zip(writes, writes[1:]):
+        if not at_end:
+            assert after - end >= (end - start) * (1 / plugin.WRITE_SHARE - 1) * 0.999

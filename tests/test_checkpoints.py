@@ -231,7 +231,11 @@ def test_weights_with_resume_is_refused_naming_both(ran):
 def test_bad_policies_and_knobs(tmp_path):
     for bad, match in ((lambda: jn.Best(0), r"Best\(0\).*n must be an integer >= 1"),
                        (lambda: jn.Last(-1), r"Last\(-1\).*n must be an integer >= 1"),
-                       (lambda: jn.Checkpointer(every=0), r"every=0")):
+                       (lambda: jn.Checkpointer(every=0), r"every=0"),
+                       (lambda: jn.Checkpointer(min_interval=-1), r"min_interval=-1\).*\"auto\".*seconds >= 0"),
+                       (lambda: jn.Checkpointer(min_interval="fast"), r"min_interval='fast'"),
+                       (lambda: jn.Checkpointer(min_interval=5, asynchronous=False),
+                        r"min_interval=5, asynchronous=False\).*Drop min_interval")):
         with pytest.raises(ValueError, match=match):
             bad()
     with pytest.raises(TypeError, match="`keep` is a tuple of policies"):
