@@ -40,6 +40,7 @@ from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
+from .blocks import ROWS
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
@@ -317,9 +318,12 @@ class ProgramSet:
         """``k`` optimizer steps in one program (``steps_per_dispatch``): a ``lax.scan`` of
         the ``accum - 1`` accumulate bodies and the train-step body.
 
-        ``(param_leaves, state_leaves, opt_leaves, dev, dev_steps, extra, batches, scale,
-        hypers)`` -> ``(param_leaves, state_leaves, opt_leaves, aux)``. ``batches`` holds
-        every field with leading axes ``[k, accum]``; ``dev_steps`` Device values with a
+        ``(param_leaves, state_leaves, opt_leaves, dev, dev_steps, extra, columns, batches,
+        scale, hypers)`` -> ``(param_leaves, state_leaves, opt_leaves, aux)``. ``batches`` holds
+        every field with leading axes ``[k, accum]``, or (a column source, see
+        :mod:`jaxnitro.blocks`) the ``[k, accum, batch]`` row numbers ``ROWS`` into
+        ``columns`` (``{field: [rows, ...]}``, else ``{}``): each micro-batch's fields are then
+        gathered inside the scan, where its step reads them; ``dev_steps`` Device values with a
         leading ``[k]`` axis, one per step (they override ``dev``; the loop passes every
         Device value this way, scheduled or not, so that none is loop-invariant to XLA, which
         could otherwise reassociate arithmetic with it and round differently from the
@@ -334,7 +338,7 @@ class ProgramSet:
             accumulate = self._accumulate_fn(meta)
             train_step = self._train_step_fn(opt, tx, opt_def, meta)
 
-            def train_block(p_leaves, s_leaves, o_leaves, dev, dev_steps, extra, batches, scale, hypers):
+            def train_block(p_leaves, s_leaves, o_leaves, dev, dev_steps, extra, columns, batches, scale, hypers):
                 accum = jax.tree_util.tree_leaves(batches)[0].shape[1]
 
                 def body(carry, xs):
@@ -343,7 +347,9 @@ class ProgramSet:
                     d = {**dev, **d_step}
                     acc = None
                     for i in range(accum):
-                        micro = {**extra, **{f: v[i] for f, v in batch.items()}}
+                        micro = {**extra, **{f: v[i] for f, v in batch.items() if f != ROWS}}
+                        if ROWS in batch:  # the rows of a column source, gathered here
+                            micro.update({f: col[batch[ROWS][i]] for f, col in columns.items()})
                         if i < accum - 1:
                             acc, s = accumulate(p, s, d, micro, acc)
                         else:

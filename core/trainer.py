@@ -211,9 +211,7 @@ class _Run:
             transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
             if keyed:
                 self.extra = {KEY_DATA: nitro.state.rng}
-            self.columns = ColumnBlocks.of(
-                unwrap(train), fields, self.k, self.accum, keyed, dist is not None, stages_on_device()
-            )
+            self.columns = ColumnBlocks.of(unwrap(train), fields, self.k, self.accum, keyed, dist is not None)
         else:
             transfer = make_transfer(nitro, hooks)
         if not isinstance(unwrap(train), (list, tuple)):  # setup read every batch of a list only
@@ -353,7 +351,8 @@ class _Run:
         self.epoch_first_step[epoch] = step + 1
         wait, outcome = 0.0, Outcome.COMPLETE
         t_epoch = time.perf_counter()
-        if self.columns is not None:  # gathered on the device; no host stream
+        columns = self.columns.device if self.columns is not None else {}
+        if self.columns is not None:  # row numbers; gathered in the program; no host stream
             stream, group = None, []
             blocks = self._device_blocks(epoch, step, group)
         else:
@@ -367,8 +366,8 @@ class _Run:
                 if block is None:
                     break
                 params, mstate, opt_state, aux = block_fn(
-                    params, mstate, opt_state, {}, {**tiled, **scheds.dev_block(step, k)}, extra, block, scale,
-                    scheds.hypers_block(step, k),
+                    params, mstate, opt_state, {}, {**tiled, **scheds.dev_block(step, k)}, extra, columns, block,
+                    scale, scheds.hypers_block(step, k),
                 )
                 step += k
                 self.pending.append(aux)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxnitro.blocks import aligned
 from jaxnitro.distributed import ProcessPart, split_by_process
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.prefetch.contract import check_epoch
@@ -175,9 +176,17 @@ class ArraySource:
     def columns(self) -> dict[str, np.ndarray] | None:
         """The fields as in-memory arrays, for a loop that gathers batches itself (on the
         device, by the rows of :meth:`order`; see ``jaxnitro.blocks``), or None when that would
-        read differently: a memory-mapped field (never read whole) or a per-process part."""
+        read differently: a memory-mapped field (never read whole) or a per-process part.
+
+        Each field is C-contiguous and 64-byte aligned, so that the CPU backend uses it in
+        place: the field itself when it already is, else a copy made on the first call and
+        kept (later runs copy nothing). Batches then come from these arrays too, so write
+        into the fields after training with ``steps_per_dispatch`` > 1 has begun and the
+        source keeps reading the copy: build a new source for new data."""
         if self.mapped or self.process != (0, 1):
             return None
+        with self._lock:
+            self.fields = {name: aligned(a) for name, a in self.fields.items()}
         return dict(self.fields)
 
     def _make_plan(self, epoch: int) -> np.ndarray | None:

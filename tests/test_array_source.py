@@ -148,3 +148,24 @@ def test_default_wrapping_produces_in_the_consumer_thread(tmp_path):
 
     n = jn.Nitro(jn.experiment(Arrays)(), logger=None, run_dir=str(tmp_path))
     assert n.data["train"].info()["path"] == "synchronous"
+
+
+def test_columns_are_aligned_once_and_used_in_place_on_the_cpu():
+    """``columns()`` gives C-contiguous, 64-byte aligned arrays (copied on the first call when
+    they are not, then kept, and batches read the same arrays); the CPU backend's device
+    array of such a column is the host buffer itself: a run after the first copies nothing."""
+    from jaxnitro.blocks import ALIGN, ColumnBlocks, aligned
+
+    f = fields(64)
+    src = jn.ArraySource({"x": f["x"][:, ::2], "y": f["y"]}, batch_size=8, shuffle=True, drop_last=True, seed=1)
+    before = src.batch_at(3)
+    first = src.columns()
+    assert all(a.flags.c_contiguous and a.ctypes.data % ALIGN == 0 for a in first.values())
+    np.testing.assert_array_equal(first["x"], f["x"][:, ::2])  # a copy of the strided field, same values
+    second = src.columns()
+    assert all(second[k] is first[k] for k in first)  # copied once
+    np.testing.assert_array_equal(src.batch_at(3)["x"], before["x"])
+    assert aligned(first["x"]) is first["x"]
+    blocks = ColumnBlocks.of(src, ["x", "y"], k=2, accum=1, keyed=False, sharded=False)
+    if jax.default_backend() == "cpu":
+        assert blocks.device["x"].unsafe_buffer_pointer() == first["x"].ctypes.data

@@ -192,24 +192,22 @@ def array_data(n_batches: int, batch: int = 8) -> dict:
     }
 
 
-@pytest.mark.parametrize("on_device", [False, True])
-def test_a_column_source_gathers_whole_blocks_bitwise(tmp_path, monkeypatch, on_device):
-    """An ArraySource's blocks are read by row numbers, one gather per field: on the host
-    (the CPU backend's way), or on the device from fields put there once (an accelerator's
-    way, forced here). Both equal one step a dispatch: shuffled rows, keys, accum, a remainder."""
-    from jaxnitro import blocks, trainer
+def test_a_column_source_sends_row_numbers_and_trains_bitwise(tmp_path, monkeypatch):
+    """An ArraySource's blocks are their ``[k, accum, batch]`` row numbers (and key counts):
+    the train-block program gathers the rows from the fields put on the device once per run.
+    Equal to one step a dispatch: shuffled rows, keys, accum, a remainder step."""
+    from jaxnitro import blocks
+    from jaxnitro.routing import KEY_COUNT
 
-    if on_device:
-        monkeypatch.setattr(trainer, "stages_on_device", lambda: True)
-    gathered = []
-    monkeypatch.setattr(blocks, "_gather", lambda cols, rows, _f=blocks._gather: gathered.append(rows) or _f(cols, rows))
     made = []
     monkeypatch.setattr(blocks.ColumnBlocks, "block", lambda self, *a, _f=blocks.ColumnBlocks.block:
-                        made.append(a) or _f(self, *a))
+                        made.append(_f(self, *a)) or made[-1])
     d = array_data(14)  # accum 2, k 3: 7 steps an epoch = 2 blocks + 1 remainder step
     kw = dict(data=d, accum=2, max_epochs=2)
     ref = run(Dropout, tmp_path, **kw)
     got = run(Dropout, tmp_path, steps_per_dispatch=3, **kw)
     assert_same(ref, got)
-    assert len(made) == 4 and len(gathered) == (4 if on_device else 0)
-    assert [r.shape for r in gathered] == [(3, 2, 8)] * len(gathered)
+    assert len(made) == 4
+    for block in made:  # no field crosses per block: row numbers only
+        assert set(block) == {blocks.ROWS, KEY_COUNT}
+        assert block[blocks.ROWS].shape == (3, 2, 8) and block[blocks.ROWS].dtype == np.int32
