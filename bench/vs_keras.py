@@ -11,6 +11,9 @@ epoch; ``--synthetic`` uses random data of that shape), reshuffled every epoch:
   batches already on the device, one dispatch an epoch: what is left once the
   per-step dispatch and the per-step transfer are gone (no shuffling, no data
   movement: a limit, not a training loop);
+* ``scan limit, shuffled``: the same whole-epoch scan reading a reshuffled epoch, each
+  step gathering its batch's rows from the data on the device (the cost of shuffling
+  that the plain scan limit leaves out, and what jaxnitro's blocks do);
 * ``keras spe=1`` / ``keras spe=k``: ``model.fit(x, y, batch_size=100, shuffle=True,
   verbose=0)`` compiled with ``steps_per_execution`` 1 and ``k`` (``jit_compile=True``);
 * ``jaxnitro k=1`` / ``jaxnitro k=k``: ``train()`` of a new ``Nitro`` with
@@ -139,6 +142,37 @@ class ScanLimit:
         return epochs * len(self.xs)
 
 
+class ShuffledScanLimit:
+    """The scan limit reading a shuffled epoch: each step gathers its batch's rows, by the
+    epoch's row order, from the data on the device (what jaxnitro's blocks do)."""
+
+    def __init__(self, x, y):
+        self.params, self.opt_state, step = _step_fn()
+        self.source = jn.ArraySource({"img": x, "label": y}, batch_size=BATCH, shuffle=True, drop_last=True, seed=0)
+        self.x, self.y = jax.device_put(x), jax.device_put(y)
+        self.epoch = 0
+
+        def epoch(params, opt_state, x, y, rows):
+            def body(carry, r):
+                p, o, loss = step(*carry, x[r], y[r])
+                return (p, o), loss
+
+            (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), rows)
+            return params, opt_state, losses
+
+        self.epoch_fn = jax.jit(epoch, donate_argnums=(0, 1))
+        self.run(1)
+
+    def run(self, epochs: int) -> int:
+        n = len(self.source)
+        for _ in range(epochs):
+            rows = np.asarray(self.source.order(self.epoch), np.int32).reshape(n, BATCH)
+            self.epoch += 1
+            self.params, self.opt_state, losses = self.epoch_fn(self.params, self.opt_state, self.x, self.y, rows)
+        losses.block_until_ready()
+        return epochs * n
+
+
 class KerasFit:
     """``keras.Sequential`` MLP, ``compile(steps_per_execution=k, jit_compile=True)``, ``fit``."""
 
@@ -228,6 +262,7 @@ def main(argv=None) -> dict:
         makers = {
             "hand-written jit loop": lambda: HandWritten(x, y),
             "scan limit (1 dispatch/epoch)": lambda: ScanLimit(x, y),
+            "scan limit, shuffled": lambda: ShuffledScanLimit(x, y),
             "keras fit, spe=1": lambda: KerasFit(x, y, 1),
             f"keras fit, spe={k}": lambda: KerasFit(x, y, k),
             "jaxnitro, k=1": lambda: Jaxnitro(x, y, 1, tmp, logger),
