@@ -227,16 +227,19 @@ class ProgramSet:
             grads, new_state, aux = self._grads(params, state, dev, batch, meta)
             g_leaves = jax.tree_util.tree_leaves(grads)
             if acc is not None:
-                g_leaves = [a + g for a, g in zip(acc[0], g_leaves)]
-                aux = acc[1] + aux
+                g_leaves = [a + g for a, g in zip(acc, g_leaves)]
             return (g_leaves, aux), jax.tree_util.tree_leaves(new_state)
 
         return accumulate
 
     def accumulate(self) -> Program:
-        """``(param_leaves, state_leaves, dev, batch, acc) -> (acc, state_leaves)``.
+        """``(param_leaves, state_leaves, dev, batch, acc) -> ((acc, aux), state_leaves)``.
 
-        ``acc = (grad leaves, aux sum)`` is None for the first micro-batch of a step.
+        ``acc``, the grad leaves summed so far, is None for the first micro-batch of a step
+        (and donated); ``aux`` is this micro-batch's ``[loss, *train_metrics]``. The aux of the micro-batches are not summed on the device: the
+        host averages them (:func:`jaxnitro.trainer.step_scalars`), so that the step's scalars
+        do not depend on how XLA compiled the programs that summed them (inside one
+        ``train_block`` loop body, XLA rounded the average differently from separate programs).
         """
         return self._program("accumulate", self.train_key(), self._accumulate_fn, donate_argnums=(1, 4))
 
@@ -254,9 +257,8 @@ class ProgramSet:
             grads, new_state, aux = self._grads(params, state, dev, batch, meta)
             if acc is not None:
                 grads = jax.tree_util.tree_unflatten(
-                    p_def, [a + g for a, g in zip(acc[0], jax.tree_util.tree_leaves(grads))]
+                    p_def, [a + g for a, g in zip(acc, jax.tree_util.tree_leaves(grads))]
                 )
-                aux = acc[1] + aux
             grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
             grads = opt.clip(grads, hypers)
             rule_state, ema = split_ema(opt_state, opt)
@@ -267,7 +269,7 @@ class ProgramSet:
                 ema = update_ema(ema, params, hypers[opt.layout.ema_index])
             opt_state = join_ema(rule_state, ema, opt)
             leaves = jax.tree_util.tree_leaves
-            return leaves(params), leaves(new_state), leaves(opt_state), aux * scale
+            return leaves(params), leaves(new_state), leaves(opt_state), aux
 
         return train_step
 
@@ -304,8 +306,8 @@ class ProgramSet:
         so every ``accum`` shares the program); ``hypers`` is the per-step
         hyperparameter vector laid out by ``opt.layout`` (with ``opt.ema``, its last
         slot is the EMA decay: the average is updated here, after the update, so it
-        costs no dispatch); ``aux`` is the step's
-        ``[loss, *train_metrics]`` averaged over its micro-batches.
+        costs no dispatch); ``aux`` is ``[loss, *train_metrics]`` of the step's last
+        micro-batch (the host averages it with the accumulate programs' ones).
         """
         return self._program(
             "train_step",
@@ -328,7 +330,8 @@ class ProgramSet:
         Device value this way, scheduled or not, so that none is loop-invariant to XLA, which
         could otherwise reassociate arithmetic with it and round differently from the
         one-step program); ``hypers`` ``[k, n]``; ``extra`` entries
-        (the run's base key) join every micro-batch; ``aux`` is ``[k, len(aux_names)]``.
+        (the run's base key) join every micro-batch; ``aux`` is ``[k, accum, len(aux_names)]``,
+        each micro-batch's scalars (averaged by the host, as for the one-step programs).
         ``k`` and ``accum`` are read from the shapes: changing ``k`` traces this program
         again (one compile), nothing else. The bodies are the ones :meth:`accumulate` and
         :meth:`train_step` trace, so the results are those of ``k`` separate steps.
@@ -345,16 +348,18 @@ class ProgramSet:
                     p, s, o = carry
                     d_step, batch, h = xs
                     d = {**dev, **d_step}
-                    acc = None
+                    acc, auxes = None, []
                     for i in range(accum):
                         micro = {**extra, **{f: v[i] for f, v in batch.items() if f != ROWS}}
                         if ROWS in batch:  # the rows of a column source, gathered here
                             micro.update({f: col[batch[ROWS][i]] for f, col in columns.items()})
                         if i < accum - 1:
-                            acc, s = accumulate(p, s, d, micro, acc)
+                            (acc, aux), s = accumulate(p, s, d, micro, acc)
+                            auxes.append(aux)
                         else:
                             p, s, o, aux = train_step(p, s, o, d, micro, acc, scale, h)
-                    return (p, s, o), aux
+                            auxes.append(aux)
+                    return (p, s, o), jnp.stack(auxes)
 
                 (p, s, o), aux = jax.lax.scan(body, (p_leaves, s_leaves, o_leaves), (dev_steps, batches, hypers))
                 return p, s, o, aux

@@ -165,8 +165,10 @@ class Outcome(enum.Enum):
 class _Run:
     """One ``train()``: the epoch loop, the per-step dispatch and the deferred reads.
 
-    Per-step scalars stay on the device in ``pending`` (one float32 vector per
-    optimizer step, oldest first) until read. An epoch's history row is
+    Per-step scalars stay on the device in ``pending`` until read, oldest first: per
+    optimizer step one float32 vector, or with ``accum`` > 1 a tuple of one per
+    micro-batch; per ``train_block`` dispatch one ``[k, accum, n]`` array (see
+    :func:`step_scalars`). An epoch's history row is
     appended when its last step has been read: at once when the epoch is
     validated (validation needs the epoch's final parameters anyway) or is the
     last, otherwise during the next epoch, so a train-only run never makes the
@@ -286,7 +288,7 @@ class _Run:
         nitro, scheds, accumulate = self.nitro, self.scheds, self.accumulate
         step_fn, scale, dev = self.step_prog.jitted, self.scale, nitro.device_values
         params, mstate, opt_state = nitro.state.leaves()
-        acc, micro, step = None, 0, nitro.step
+        acc, micro, step, micros = None, 0, nitro.step, []
         self.epoch_first_step[epoch] = step + 1
         wait, outcome = 0.0, Outcome.COMPLETE
         t_epoch = t0 = time.perf_counter()
@@ -295,7 +297,8 @@ class _Run:
             for batch in stream:
                 wait += time.perf_counter() - t0
                 if micro < self.accum - 1:
-                    acc, mstate = accumulate(params, mstate, scheds.dev(dev, step), batch, acc)
+                    (acc, aux), mstate = accumulate(params, mstate, scheds.dev(dev, step), batch, acc)
+                    micros.append(aux)
                     micro += 1
                 else:
                     params, mstate, opt_state, aux = step_fn(
@@ -303,7 +306,8 @@ class _Run:
                     )
                     acc, micro = None, 0
                     step += 1
-                    self.pending.append(aux)
+                    self.pending.append((*micros, aux) if micros else aux)
+                    micros = []
                     if stop.status is not None:
                         outcome = Outcome.STOPPED
                         break
@@ -375,14 +379,15 @@ class _Run:
                     outcome = Outcome.STOPPED
                 elif len(self.pending) >= self.read_every and self.read(wait=False):
                     outcome = Outcome.DIVERGED
-            acc, micro = None, 0
+            acc, micro, micros = None, 0, []
             for batch in group if outcome is Outcome.COMPLETE else ():  # the remainder, one step a dispatch
                 if one is not None:
                     batch = one(batch)
                 if extra:
                     batch = {**batch, **extra}
                 if micro < accum - 1:
-                    acc, mstate = accumulate(params, mstate, scheds.dev(dev, step), batch, acc)
+                    (acc, aux), mstate = accumulate(params, mstate, scheds.dev(dev, step), batch, acc)
+                    micros.append(aux)
                     micro += 1
                     continue
                 params, mstate, opt_state, aux = step_fn(
@@ -390,7 +395,8 @@ class _Run:
                 )
                 acc, micro = None, 0
                 step += 1
-                self.pending.append(aux)
+                self.pending.append((*micros, aux) if micros else aux)
+                micros = []
                 if stop.status is not None:
                     outcome = Outcome.STOPPED
                     break
@@ -446,12 +452,12 @@ class _Run:
         busy a core the computation needs.
         """
         if not wait:
-            if not (self.pending[self.read_every - 1].is_ready() or len(self.pending) >= self.max_pending):
+            if not (_is_ready(self.pending[self.read_every - 1]) or len(self.pending) >= self.max_pending):
                 return False
             return self._process(self.read_every)
         while self.pending:
             pending, done = self.pending, 0
-            while done < len(pending) and pending[done].is_ready():
+            while done < len(pending) and _is_ready(pending[done]):
                 done += 1
             if done == 0:
                 time.sleep(0.0002)
@@ -464,10 +470,7 @@ class _Run:
         epochs' rows. True on a non-finite loss (the steps before it are still emitted)."""
         nitro = self.nitro
         ready, self.pending = self.pending[:n], self.pending[n:]
-        if self.k == 1:
-            values = np.stack([np.asarray(a) for a in ready]).tolist()  # ~10x cheaper than device_get
-        else:  # [k, n] blocks and the remainder's [n] vectors
-            values = np.concatenate([np.asarray(a).reshape(-1, a.shape[-1]) for a in ready]).tolist()
+        values = step_scalars(ready, self.accum).tolist()
         check = nitro.settings.check_divergence
         names = self._aux_names()
         # the automatic step checks its loss; a train_step's every returned scalar
@@ -592,6 +595,34 @@ class _Run:
                 f"{sorted(metrics)} (what finalize_metrics returned). Return it from "
                 f"`finalize_metrics`/`metrics`, or monitor one of those."
             )
+
+
+def _is_ready(entry) -> bool:
+    """Whether a ``pending`` entry has been computed (a step's tuple: its last micro-batch's,
+    which the train step computes after the others)."""
+    return (entry[-1] if isinstance(entry, tuple) else entry).is_ready()
+
+
+def step_scalars(entries: list, accum: int) -> np.ndarray:
+    """``[steps, n]`` float32: each optimizer step's scalars, averaged over its micro-batches
+    on the host, from ``pending`` entries (a step's ``[n]`` vector, a step's tuple of
+    ``accum`` ``[n]`` vectors, or a block's ``[k, accum, n]``).
+
+    The average is ``(a_1 + ... + a_accum) * float32(1 / accum)`` in float32, the same
+    arithmetic whichever programs computed the micro-batches, so that ``steps_per_dispatch``
+    never changes a logged value (inside one loop body XLA rounded a device-side average
+    differently from separate programs: one ulp, on some models)."""
+    if accum == 1 and all(not isinstance(e, tuple) and e.ndim == 1 for e in entries):
+        return np.stack([np.asarray(e) for e in entries])  # one step a dispatch: ~10x cheaper than device_get
+    parts = []
+    for e in entries:
+        a = np.stack([np.asarray(x) for x in e]) if isinstance(e, tuple) else np.asarray(e)
+        parts.append(a.reshape((-1, accum, a.shape[-1])))
+    micro = np.concatenate(parts)
+    total = micro[:, 0]
+    for i in range(1, accum):
+        total = total + micro[:, i]
+    return total * np.float32(1.0 / accum) if accum > 1 else total
 
 
 @functools.partial(jax.jit, static_argnums=1)
