@@ -207,7 +207,10 @@ def _bindings_band(nitro) -> Band:
     for key, target in nitro.plan.bindings.describe():
         rows.append((f"schedule {key}", target, s.source("schedules")))
     for name in ("accum", "steps_per_dispatch", "max_epochs", "seed", "log_every_n_steps", "check_divergence"):
-        rows.append((name, getattr(s, name), s.source(name)))
+        value = getattr(s, name)
+        if name == "steps_per_dispatch" and value > 1:
+            value = f"{value} ({_dispatches(nitro, value)})"
+        rows.append((name, value, s.source(name)))
     if s.logger is not None:
         rows.append(("logger", s.logger, s.source("logger")))
     for name in ("early_stop", "checkpointer", "ema"):
@@ -215,6 +218,20 @@ def _bindings_band(nitro) -> Band:
         if value is not None:
             rows.append((name, _configured(value), s.source(name)))
     return Band("bindings", ("binding", "value", "source"), rows)
+
+
+def _dispatches(nitro, k: int) -> str:
+    """How an epoch's steps are dispatched at ``steps_per_dispatch`` = k: ``5 blocks an
+    epoch``, or ``8 blocks + 38 single steps an epoch`` (a remainder runs one step a dispatch:
+    choose k dividing the epoch to avoid it)."""
+    per_epoch, _ = _horizon(nitro)
+    if per_epoch is None:
+        return "no train split"
+    blocks, rest = divmod(per_epoch, k)
+    said = f"{blocks} block{'s' if blocks != 1 else ''}"
+    if rest:
+        said += f" + {rest} single step{'s' if rest != 1 else ''}"
+    return said + " an epoch"
 
 
 def _groups_band(nitro) -> Band:

@@ -149,7 +149,15 @@ def test_knob_resolution_and_validation(tmp_path):
     n = jn.Nitro(jn.experiment(ByMethod)(), run_dir=tmp_path, steps_per_dispatch=3)
     assert (n.settings.steps_per_dispatch, n.settings.source("steps_per_dispatch")) == (3, "keyword")
     assert jn.Nitro(Tiny(), run_dir=tmp_path).settings.steps_per_dispatch == 1
-    assert "steps_per_dispatch" in str(n)  # print(nitro)'s bindings band
+    # the bindings band says how an epoch is dispatched, a remainder of single steps included
+    per_epoch = len(n.data["train"]) // n.settings.accum
+    k = next(k for k in range(2, per_epoch) if per_epoch % k)
+    blocks, rest = divmod(per_epoch, k)
+    uneven = jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch=k)
+    plural = lambda n: "s" if n != 1 else ""  # noqa: E731
+    assert f"{k} ({blocks} block{plural(blocks)} + {rest} single step{plural(rest)} an epoch)" in str(uneven)
+    even = jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch=per_epoch)
+    assert f"{per_epoch} (1 block an epoch)" in str(even)
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="steps_per_dispatch"):
             jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch=bad)
