@@ -17,7 +17,8 @@ buffer is 64-byte aligned (``device_put(..., may_alias=True)`` then copies nothi
 needs that alignment), else one aligned NumPy copy per run: ~15 ms for the 172 MB of
 55,000 MNIST images on an idle machine, but 200-370 ms measured when fresh memory is
 scarce (page faults), against ~100 ms for ``jax.device_put`` of the unaligned array. So
-``jn.ArraySource.columns()`` returns aligned arrays, copied once per source.
+``jn.ArraySource.columns()`` returns aligned arrays on the CPU backend, copied once per
+source.
 
 The contract (an optional part of a source's, see
 :mod:`jaxnitro.prefetch.contract`): ``columns()`` returns ``{field: in-memory array}``

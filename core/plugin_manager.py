@@ -151,8 +151,9 @@ def reload_plugins() -> pluggy.PluginManager:
 
 _DIST_NAMES: dict[int, tuple[str, str]] = {}
 """``id(plugin) -> (project name, version)`` of the plugins loaded from entry points (the
-plugin modules live as long as the plugin manager): reading them parses each package's metadata (~20 ms for the built-ins),
-which every ``Nitro`` setup would otherwise pay again. Cleared by :func:`reload_plugins`."""
+plugin modules live as long as the plugin manager). Reading them parses each package's
+metadata (~20 ms for the built-ins), which every ``Nitro`` setup would otherwise pay
+again. Cleared by :func:`reload_plugins`."""
 
 
 def _distributions(pm: pluggy.PluginManager) -> dict[int, tuple[str, str]]:

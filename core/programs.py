@@ -34,13 +34,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .blocks import ROWS
 from .cache import Program, get_program, stable_key
 from .experiment import make_view
 from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
-from .blocks import ROWS
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
@@ -236,10 +236,11 @@ class ProgramSet:
         """``(param_leaves, state_leaves, dev, batch, acc) -> ((acc, aux), state_leaves)``.
 
         ``acc``, the grad leaves summed so far, is None for the first micro-batch of a step
-        (and donated); ``aux`` is this micro-batch's ``[loss, *train_metrics]``. The aux of the micro-batches are not summed on the device: the
-        host averages them (:func:`jaxnitro.trainer.step_scalars`), so that the step's scalars
-        do not depend on how XLA compiled the programs that summed them (inside one
-        ``train_block`` loop body, XLA rounded the average differently from separate programs).
+        (and donated); ``aux`` is this micro-batch's ``[loss, *train_metrics]``. The
+        micro-batches' aux are not summed on the device: the host averages them
+        (:func:`jaxnitro.trainer.step_scalars`), so that a step's scalars do not depend on how
+        XLA compiled the programs that summed them (inside one ``train_block`` loop body, XLA
+        rounded the average differently from separate programs).
         """
         return self._program("accumulate", self.train_key(), self._accumulate_fn, donate_argnums=(1, 4))
 

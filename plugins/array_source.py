@@ -33,6 +33,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxnitro.blocks import aligned
@@ -178,15 +179,17 @@ class ArraySource:
         device, by the rows of :meth:`order`; see ``jaxnitro.blocks``), or None when that would
         read differently: a memory-mapped field (never read whole) or a per-process part.
 
-        Each field is C-contiguous and 64-byte aligned, so that the CPU backend uses it in
-        place: the field itself when it already is, else a copy made on the first call and
+        On the CPU backend each field is C-contiguous and 64-byte aligned, so that it is used
+        in place: the field itself when it already is, else a copy made on the first call and
         kept (later runs copy nothing). Batches then come from these arrays too, so write
         into the fields after training with ``steps_per_dispatch`` > 1 has begun and the
-        source keeps reading the copy: build a new source for new data."""
+        source keeps reading the copy: build a new source for new data. (An accelerator
+        copies the fields to its memory anyway: there they are returned as they are.)"""
         if self.mapped or self.process != (0, 1):
             return None
-        with self._lock:
-            self.fields = {name: aligned(a) for name, a in self.fields.items()}
+        if jax.default_backend() == "cpu":
+            with self._lock:
+                self.fields = {name: aligned(a) for name, a in self.fields.items()}
         return dict(self.fields)
 
     def _make_plan(self, epoch: int) -> np.ndarray | None:

@@ -19,7 +19,7 @@ import jaxnitro.exports
 from jaxnitro.batches import wrap_split
 from jaxnitro.plugin_manager import plugin_manager
 from jaxnitro.plugins import grain_loader as mod
-from tiny import Tiny, make_arrays
+from tiny import Tiny, assert_parts_make_the_batches, make_arrays
 
 NAME = "grain_loader"
 
@@ -212,12 +212,7 @@ def test_for_process_parts_make_the_whole_batch(grain, n, drop):
     whole = mod.GrainSource(pipeline(grain, n=n, drop=drop))
     parts = [whole.for_process(p, 2) for p in range(2)]
     assert [len(q) for q in parts] == [6, 6]
-    for epoch in (0, 2):
-        for src in (whole, *parts):
-            src.begin_epoch(epoch)
-        for i in range(len(whole)):
-            got = [q.batch_at(i)["row"] for q in parts if i < len(q)]
-            np.testing.assert_array_equal(np.concatenate(got), whole.batch_at(i)["row"])
+    assert_parts_make_the_batches(whole, parts, "row", epochs=(0, 2))
     assert "process=1 of 2" in repr(parts[1]) and parts[0].for_process(0, 2) is parts[0]
     short = mod.GrainSource(pipeline(grain, n=84, drop=False))  # last batch: 4 rows, all process 0's
     assert [len(short.for_process(p, 2)) for p in range(2)] == [6, 5]

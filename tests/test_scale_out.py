@@ -11,7 +11,7 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro.metrics import MetricAccumulator
-from tiny import Tiny, make_arrays, tiny_data
+from tiny import Tiny, assert_parts_make_the_batches, make_arrays, tiny_data
 
 
 def test_one_device_is_the_default_and_is_not_sharded():
@@ -62,14 +62,7 @@ def test_array_source_process_parts_put_together_are_the_batch(shuffle, drop_las
     whole = jn.ArraySource(_fields(rows), batch_size=8, shuffle=shuffle, drop_last=drop_last, seed=3)
     parts = [whole.for_process(p, 2) for p in range(2)]
     assert [q.process for q in parts] == [(0, 2), (1, 2)]
-    for epoch in (0, 1):
-        whole.begin_epoch(epoch)
-        for q in parts:
-            q.begin_epoch(epoch)
-        for i in range(len(whole)):
-            got = [q.batch_at(i)["i"] for q in parts if i < len(q)]
-            assert all(len(g) <= 4 for g in got)
-            np.testing.assert_array_equal(np.concatenate(got), whole.batch_at(i)["i"])
+    assert_parts_make_the_batches(whole, parts, "i", max_rows=4)
     # 50 rows, no drop: the last batch has 2 rows, all process 0's -> process 1 has a batch fewer
     expected = {(False, False, 50): [7, 6], (True, True, 50): [6, 6], (True, False, 54): [7, 7], (False, True, 48): [6, 6]}
     assert [len(q) for q in parts] == expected[(shuffle, drop_last, rows)]

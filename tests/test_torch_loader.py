@@ -22,7 +22,7 @@ import jaxnitro.exports
 from jaxnitro.batches import wrap_split
 from jaxnitro.plugin_manager import plugin_manager
 from jaxnitro.plugins import torch_loader as mod
-from tiny import Tiny, make_arrays
+from tiny import Tiny, assert_parts_make_the_batches, make_arrays
 
 NAME = "torch_loader"
 
@@ -296,12 +296,7 @@ def test_for_process_reads_only_its_part_of_each_batch(torch):
     whole = make()
     parts = [make().for_process(p, 2) for p in range(2)]
     assert [len(q) for q in parts] == [6, 5] and len(whole) == 6
-    for epoch in (0, 1):
-        for src in (whole, *parts):
-            src.begin_epoch(epoch)
-        for i in range(len(whole)):
-            got = [q.batch_at(i)["row"] for q in parts if i < len(q)]
-            np.testing.assert_array_equal(np.concatenate(got), whole.batch_at(i)["row"])
+    assert_parts_make_the_batches(whole, parts, "row")
     fetched.clear()
     parts[1].batch_at(0)
     assert len(fetched) == 8  # its half only

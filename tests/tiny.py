@@ -40,6 +40,19 @@ def batches(x, y, onehot, batch: int, drop_last: bool = True) -> list[dict]:
     ]
 
 
+def assert_parts_make_the_batches(whole, parts, field: str, epochs=(0, 1), max_rows: int | None = None) -> None:
+    """For each epoch, batch ``i`` of the index-addressable ``whole`` is batch ``i`` of each
+    process part that has one (``for_process``), put together in process order; each part's
+    batch has at most ``max_rows`` rows when given."""
+    for epoch in epochs:
+        for src in (whole, *parts):
+            src.begin_epoch(epoch)
+        for i in range(len(whole)):
+            got = [q.batch_at(i)[field] for q in parts if i < len(q)]
+            assert max_rows is None or all(len(g) <= max_rows for g in got)
+            np.testing.assert_array_equal(np.concatenate(got), whole.batch_at(i)[field])
+
+
 def tiny_data(n_train: int = 96, n_val: int = 40, batch: int = 16) -> dict:
     """train: 6 full batches of 16; val: 40 rows = 2 full batches + a partial batch of 8."""
     x, y, oh = make_arrays(n_train + n_val)
