@@ -19,6 +19,7 @@ from .export import load_exported
 from .handle import Nitro, train
 from .history import MetricHistory
 from .hookspecs import hookimpl, hookspec
+from .interrupts import PREEMPTED_EXIT_CODE, Preempted, Terminated
 from .knobs import Settings
 from .logger import backend, logger_info
 from .manual import Optimizers
@@ -43,11 +44,14 @@ __all__ = [
     "Nitro",
     "NoPrefetch",
     "Optimizers",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "PrefetchIterator",
     "RunContext",
     "Settings",
     "StepStretch",
     "StrippedHost",
+    "Terminated",
     "backend",
     "cache_stats",
     "check_batch_at",

@@ -29,13 +29,20 @@ class RunContext:
     - ``run_dir``: the run's own folder (absolute ``str``, created);
     - ``settings``: the resolved run knobs (:class:`jaxnitro.Settings`);
     - ``loggers``: the run's logger objects, in the order they were made;
-    - ``stop_reason``: set by :meth:`request_stop`.
+    - ``stop_reason``: set by :meth:`request_stop`;
+    - ``open_row``: set by the loop: ``open_row(step)`` is the read per-step scalars of the
+      history row still open at ``step`` (its steps after the last closed row, up to
+      ``step``), or None when not all are read; a checkpoint keeps it, so that a run
+      resumed from that step averages the row over all of its steps;
+    - ``time_limit_reached``: set when ``max_time`` ended the run.
     """
 
     nitro: object
     run_dir: str
     loggers: list = field(default_factory=list)
     stop_reason: str | None = None
+    open_row: object = None
+    time_limit_reached: bool = False
 
     @property
     def settings(self):
@@ -49,6 +56,19 @@ class RunContext:
     @property
     def experiment(self):
         return self.nitro.experiment
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step this run continues from when it continues an existing run folder
+        (``resume=`` from that folder's newest resume point), else None. A logger that
+        appends to the folder's files drops what it logged after that step."""
+        resumed = getattr(self.nitro.plan, "resumed", None)
+        if resumed is None or not resumed.continue_folder or resumed.run_folder is None:
+            return None
+        import os
+
+        same = os.path.abspath(resumed.run_folder) == os.path.abspath(self.run_dir)
+        return int(resumed.step) if same else None
 
     @property
     def steps_per_epoch(self) -> int:

@@ -122,7 +122,7 @@ class _Wrapper:
     def _path(self) -> str:
         raise NotImplementedError
 
-    def epoch(self, epoch: int, transfer: Callable[[Any], Any] | None = None) -> EpochStream:
+    def epoch(self, epoch: int, transfer: Callable[[Any], Any] | None = None, start: int = 0) -> EpochStream:
         """One pass over the source: an iterator of staged batches.
 
         Nothing happens until the first ``next()``. Then, for an addressable
@@ -137,15 +137,21 @@ class _Wrapper:
         joins its producer threads. A failure in the source or in
         ``transfer`` raises :class:`PrefetchError` naming the batch index,
         after every earlier batch has been delivered when ``ordered``.
+
+        ``start`` continues an epoch from its batch ``start`` (a resumed run): an
+        addressable source produces batches ``start ..`` only; any other source is
+        read from its beginning and the first ``start`` batches are dropped unstaged.
         """
         epoch = check_epoch(epoch)
         if transfer is not None and not callable(transfer):
             raise TypeError(f"transfer must be a callable batch -> staged batch, got {transfer!r}")
-        return self._open(self._stream(epoch, transfer))
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"epoch(start={start!r}): expected the index of a batch, an int >= 0")
+        return self._open(self._stream(epoch, transfer, int(start)))
 
-    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
+    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
         """The synchronous path: produce and stage in the consumer's thread."""
-        return synchronous(self.source, self.addressable, epoch, transfer, self.device_batches, self.split)
+        return synchronous(self.source, self.addressable, epoch, transfer, self.device_batches, self.split, start)
 
     def release(self) -> None:
         """Stop any open epoch stream, then call ``source.release()`` if defined.
@@ -330,15 +336,15 @@ class PrefetchIterator(_Wrapper):
             return f"batch_at, {self.workers} producer{'s' if self.workers != 1 else ''}"
         return "iterate, 1 producer"
 
-    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
+    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
         if self.workers == 0:
-            return super()._stream(epoch, transfer)
-        return self._threaded(epoch, transfer)
+            return super()._stream(epoch, transfer, start)
+        return self._threaded(epoch, transfer, start)
 
-    def _threaded(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
+    def _threaded(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
         producers = Producers(self.host_batches)
         try:
-            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split)
+            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split, start)
             yield from staged(items, transfer, self.device_batches, epoch)
         finally:
             producers.stop()
