@@ -69,6 +69,11 @@ class StreamReader:
         block = {f: np.stack([b[f] for b in group]).reshape(shape + group[0][f].shape) for f in group[0]}
         return block if self.put_block is None else self.put_block(block)
 
+    def drain(self) -> None:
+        """At the epoch's end: read the stream to its end, so that a source yielding more
+        batches than its ``len()`` is refused (the stream raises), as a loop over it would."""
+        next(self.stream, None)
+
     def close(self) -> None:
         self.stream.close()
 
@@ -93,6 +98,9 @@ class ColumnReader:
         self.index += 1
         self.count += 1
         return {**batch, **self.extra} if self.extra else batch
+
+    def drain(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

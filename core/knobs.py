@@ -190,8 +190,10 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
 
     for name in ("accum", "steps_per_dispatch", "max_epochs", "log_every_n_steps"):
         v, low = knobs[name].value, (0 if name == "max_epochs" else 1)
+        if name == "max_epochs" and v is None and knobs["max_steps"].value is not None:
+            continue  # the steps alone bound the run
         if not _is_int(v) or v < low:
-            refuse(name, f"it must be an integer >= {low}.")
+            refuse(name, f"it must be an integer >= {low}" + (" (or None with max_steps)." if name == "max_epochs" else "."))
     for name, what in (("max_steps", "the optimizer steps the run takes"),
                        ("val_every_n_steps", "validate every that many optimizer steps")):
         v = knobs[name].value
@@ -290,7 +292,8 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         accum=int(k["accum"]),
         steps_per_dispatch=int(k["steps_per_dispatch"]),
         # with max_steps and no max_epochs of the user's, the steps alone end the run
-        max_epochs=None if k["max_steps"] is not None and knobs["max_epochs"].source == "default" else int(k["max_epochs"]),
+        max_epochs=(None if k["max_steps"] is not None and (knobs["max_epochs"].source == "default" or k["max_epochs"] is None)
+                    else int(k["max_epochs"])),
         max_steps=None if k["max_steps"] is None else int(k["max_steps"]),
         val_every_n_steps=None if k["val_every_n_steps"] is None else int(k["val_every_n_steps"]),
         max_time=max_time_seconds(k["max_time"], knobs["max_time"].source),

@@ -292,6 +292,8 @@ class _Run:
                 self.publish(leaves, step)
                 if outcome is Outcome.COMPLETE and step < last:  # a cut inside the epoch
                     outcome = self.at_cut(epoch, step, False, stop)
+            if outcome is Outcome.COMPLETE and step == epoch * self.steps_per_epoch:
+                reader.drain()
         finally:
             reader.close()
             self.publish(leaves, step)
