@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from .prefetch import NoPrefetch, PrefetchIterator, is_addressable
+from .prefetch.contract import adapted
 
 __all__ = [
     "batch_width", "check_batch_first", "check_is_dict", "pad_batch", "slice_outputs", "peek",
@@ -159,15 +160,11 @@ def last_batch(source, epoch: int = 1):
 
 def wrap_split(source, split: str):
     """Wrap a split in a PrefetchIterator unless it already is one (or NoPrefetch)."""
+    if isinstance(source, (PrefetchIterator, NoPrefetch)):  # adapted when it was built
+        return _named(source, split)
+    source = adapted(source, split)  # a plugin knows this loader type (grain, torch, ...)
     if isinstance(source, (PrefetchIterator, NoPrefetch)):
         return _named(source, split)
-    from .plugin_manager import first_result
-
-    adapted = first_result("jaxnitro_adapt_source", source=source, split=split)
-    if adapted is not None:  # a plugin knows this loader type (grain, torch, ...)
-        source = adapted
-        if isinstance(source, (PrefetchIterator, NoPrefetch)):
-            return _named(source, split)
     if isinstance(source, Mapping):
         raise TypeError(
             f"jaxnitro: split `{split}` is a single dict; a split is a source of batches (an "
@@ -187,6 +184,8 @@ def _named(wrapper, split: str):
     """Give ``wrapper`` its split's name (for messages) unless it has one already."""
     if getattr(wrapper, "split", None) is None:
         wrapper.split = split
+    if isinstance(wrapper, PrefetchIterator):
+        wrapper.warn_one_producer(wrapper.split)
     return wrapper
 
 

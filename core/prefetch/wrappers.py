@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from .contract import check_epoch, default_workers, describe, is_addressable
+from .contract import _default_cpus, adapted, check_epoch, default_workers, describe, is_addressable
 from .producers import Producers
 from .staging import staged, synchronous
 
@@ -79,6 +79,9 @@ class _Wrapper:
     def __init__(self, source: Any, name: str, unwrap_hint: str, len_hint: str = ""):
         if isinstance(source, _Wrapper):
             raise TypeError(f"{name} got a {type(source).__name__} as its source; {unwrap_hint}")
+        source = adapted(source)  # a foreign loader (torch, grain) through its plugin's adapter
+        if isinstance(source, _Wrapper):  # an adapter that wraps: these settings win
+            source = source.source
         try:
             len(source)
         except TypeError:
@@ -305,8 +308,13 @@ class PrefetchIterator(_Wrapper):
 
         self.ordered = ordered
         self.device_batches = int(device_batches)
+        source = self.source  # adapted
         if workers is None:
             workers = default_workers(source, self.addressable)
+            if not self.addressable and getattr(source, "prefetch_workers", None) is None:
+                several = min(4, _default_cpus())  # what an addressable source would get
+                if several > 1:
+                    self._unsaid_default = several  # said once, naming the split: warn_one_producer
         workers = int(workers)
         if not self.addressable and workers > 1:
             structlog.get_logger("jaxnitro").warning(
@@ -322,6 +330,25 @@ class PrefetchIterator(_Wrapper):
             self.host_batches = 0
         else:
             self.host_batches = int(host_batches) if host_batches is not None else 2 * workers
+
+    _unsaid_default: int = 0  # producers the default would run on an addressable source, unsaid
+
+    def warn_one_producer(self, split: str | None = None) -> None:
+        """Warn (once) that this source runs in one producer where the default would run
+        several: it is not index-addressable. jaxnitro calls this at setup, naming the split;
+        an explicit ``workers > 1`` warned already, when the wrapper was built."""
+        several, self._unsaid_default = self._unsaid_default, 0
+        if not several:
+            return
+        structlog.get_logger("jaxnitro").warning(
+            "source is not index-addressable: one prefetch producer reads it",
+            split=split or self.split,
+            source=describe(self.source),
+            workers_default=several,
+            fix="define batch_at(i) -> batch and begin_epoch(epoch) -> None on the source so that "
+            f"{several} producers read it; jaxnitro.check_batch_at(source) verifies an implementation "
+            "(PrefetchIterator(source, workers=1) says one producer is meant)",
+        )
 
     def _path(self) -> str:
         if self.workers == 0:
