@@ -9,6 +9,7 @@ import numpy as np
 
 from .prefetch import NoPrefetch, PrefetchIterator, is_addressable
 from .prefetch.contract import adapted
+from .prefetch.failures import SourceLengthError, failure_error
 
 __all__ = [
     "batch_width", "check_batch_first", "check_is_dict", "pad_batch", "slice_outputs", "peek",
@@ -134,11 +135,30 @@ def peek(source, epoch: int = 1):
         first = src[0]
     elif is_addressable(src):
         src.begin_epoch(epoch)
-        first = src.batch_at(0)
+        first = _read_at(source, 0, epoch, "first")
     else:
-        first = next(iter(src))
+        split = getattr(source, "split", None)
+        try:
+            first = next(iter(src))
+        except StopIteration:
+            raise SourceLengthError(split, len(src), 0, epoch) from None
+        except Exception as exc:  # noqa: BLE001 - said naming the split, the user's error as the cause
+            raise failure_error(0, exc, epoch, "iterating the source", split,
+                                when=" (setup's read of its first batch)") from exc
     check_is_dict(first, f"first batch of {split_name(source)}")
     return first
+
+
+def _read_at(source, i: int, epoch: int, which: str):
+    """``batch_at(i)`` of the wrapped ``source``'s own source, at setup: a failure is a
+    ``PrefetchError`` naming the split (``SourceLengthError`` for an ``IndexError`` below
+    ``len()``: the source's ``len()`` and its batches disagree), the source's error its cause."""
+    src = unwrap(source)
+    try:
+        return src.batch_at(i)
+    except Exception as exc:  # noqa: BLE001 - said naming the split, the user's error as the cause
+        raise failure_error(i, exc, epoch, f"batch_at({i})", getattr(source, "split", None), len(src),
+                            when=f" (setup's read of its {which} batch)") from exc
 
 
 def split_name(source) -> str:
@@ -154,7 +174,7 @@ def last_batch(source, epoch: int = 1):
         return src[-1]
     if is_addressable(src):
         src.begin_epoch(epoch)
-        return src.batch_at(len(src) - 1)
+        return _read_at(source, len(src) - 1, epoch, "last")
     return None
 
 

@@ -75,8 +75,8 @@ class Producers:
         n = len(source)
         self._start_indexed(batch_at, n, workers)
         if ordered or workers == 1:
-            return _indexed_ordered(self, n, epoch)
-        return _indexed_unordered(self, n, epoch)
+            return _indexed_ordered(self, n, epoch, split)
+        return _indexed_unordered(self, n, epoch, split)
 
     # -- producers ---------------------------------------------------------
 
@@ -170,7 +170,7 @@ class Producers:
 # delivery: each taken item gives its slot back
 
 
-def _indexed_ordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, Any]]:
+def _indexed_ordered(p: Producers, n: int, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
     pending: dict[int, Any] = {}
     for k in range(n):
@@ -185,17 +185,17 @@ def _indexed_ordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, An
                 pending[i] = item
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(k, item.exc, epoch, f"batch_at({k})")
+            raise failure_error(k, item.exc, epoch, f"batch_at({k})", split, n)
         yield item
 
 
-def _indexed_unordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, Any]]:
+def _indexed_unordered(p: Producers, n: int, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
     for _ in range(n):
         item = get()
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})")
+            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})", split, n)
         yield item
 
 
@@ -210,7 +210,7 @@ def _iterated(p: Producers, epoch: int, n: int, split: str | None) -> Iterator[t
             return
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(item.index, item.exc, epoch, "iterating the source")
+            raise failure_error(item.index, item.exc, epoch, "iterating the source", split)
         if count == n:
             raise SourceLengthError(split, n, n + 1, epoch)
         count += 1

@@ -37,18 +37,19 @@ def synchronous(
 
     An iterated source must yield exactly ``len(source)`` batches
     (:class:`SourceLengthError` naming ``split`` otherwise)."""
-    items = _indexed(source, epoch) if addressable else _iterated(source, epoch, split)
-    return staged(items, transfer, depth, epoch)
+    items = _indexed(source, epoch, split) if addressable else _iterated(source, epoch, split)
+    return staged(items, transfer, depth, epoch, split)
 
 
-def _indexed(source: Any, epoch: int) -> Iterator[tuple[int, Any]]:
+def _indexed(source: Any, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:
     batch_at, begin = accessors(source)
     begin(epoch)
-    for i in range(len(source)):
+    n = len(source)
+    for i in range(n):
         try:
             batch = batch_at(i)
         except Exception as exc:  # noqa: BLE001
-            raise failure_error(i, exc, epoch, f"batch_at({i})")
+            raise failure_error(i, exc, epoch, f"batch_at({i})", split, n)
         yield i, batch
 
 
@@ -58,7 +59,7 @@ def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterato
     try:
         it = iter(source)
     except Exception as exc:  # noqa: BLE001
-        raise failure_error(0, exc, epoch, "iterating the source")
+        raise failure_error(0, exc, epoch, "iterating the source", split)
     try:
         while True:
             try:
@@ -68,7 +69,7 @@ def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterato
                     raise SourceLengthError(split, n, i, epoch) from None
                 return
             except Exception as exc:  # noqa: BLE001
-                raise failure_error(i, exc, epoch, "iterating the source")
+                raise failure_error(i, exc, epoch, "iterating the source", split)
             if i == n:
                 raise SourceLengthError(split, n, n + 1, epoch)
             yield i, batch
@@ -80,7 +81,8 @@ def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterato
 
 
 def staged(
-    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int
+    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int,
+    split: str | None = None,
 ) -> Iterator[Any]:
     """Apply ``transfer`` ``depth`` batches ahead of delivery; yield staged batches."""
     if transfer is None:
@@ -92,7 +94,7 @@ def staged(
             try:
                 out = transfer(batch)
             except Exception as exc:  # noqa: BLE001
-                raise failure_error(i, exc, epoch, "transfer")
+                raise failure_error(i, exc, epoch, "transfer", split)
             yield out
         return
     ahead: collections.deque = collections.deque()
@@ -110,7 +112,7 @@ def staged(
         try:
             push(transfer(batch))
         except Exception as exc:  # noqa: BLE001
-            error = failure_error(i, exc, epoch, "transfer")
+            error = failure_error(i, exc, epoch, "transfer", split)
             break
         if len(ahead) > depth:
             yield pop()

@@ -366,7 +366,7 @@ class PrefetchIterator(_Wrapper):
         producers = Producers(self.host_batches)
         try:
             items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split)
-            yield from staged(items, transfer, self.device_batches, epoch)
+            yield from staged(items, transfer, self.device_batches, epoch, self.split)
         finally:
             producers.stop()
 
