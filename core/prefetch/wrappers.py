@@ -1,6 +1,9 @@
 """The public wrappers: PrefetchIterator, NoPrefetch, and the EpochStream they open.
 
-In: a data source (see :mod:`.contract`). A wrapper validates it once
+In: a data source (see :mod:`.contract`); a foreign loader (a torch
+``DataLoader``, a grain ``MapDataset``) is adapted first, through the adapter
+jaxnitro installs (:func:`.contract.adapted`), so wrapping a loader reads it as
+the framework would unwrapped. A wrapper validates it once
 (``TypeError`` for one without ``len()``, or neither iterable nor addressable,
 or already wrapped; ``ValueError`` for a bad setting). Out, for each call of
 ``epoch(epoch, transfer)``: an :class:`EpochStream` of staged batches.
@@ -237,7 +240,9 @@ class PrefetchIterator(_Wrapper):
     **Arguments:**
 
     - ``source``: an iterable of batches with ``len()``. A batch is a dict of
-      NumPy arrays, batch dimension first. If the source is *index-addressable*
+      NumPy arrays, batch dimension first. A loader a plugin adapts (a torch
+      ``DataLoader``, a grain ``MapDataset``) is adapted here
+      (``jaxnitro_adapt_source``): ``.source`` is then the adapted source. If the source is *index-addressable*
       (:func:`is_addressable`: it has ``batch_at(i)`` and ``begin_epoch(epoch)``,
       or it is a ``list``/``tuple`` of batches), several producers read it;
       otherwise one producer iterates it.
@@ -249,7 +254,9 @@ class PrefetchIterator(_Wrapper):
       other source. More than one worker on a source that is not addressable
       logs a warning and runs one producer: implementing
       ``batch_at``/``begin_epoch`` is the fix, and :func:`check_batch_at`
-      verifies it.
+      verifies it. The default on such a source (with no ``prefetch_workers``,
+      on more than one CPU) warns the same once jaxnitro names the split
+      (:meth:`warn_one_producer`, at setup).
 
       Threads pay off when producing a batch is slow and releases the GIL
       (reading files, decoding, native augmentation). For a batch gathered
