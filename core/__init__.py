@@ -26,6 +26,7 @@ from .manual import Optimizers
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
+from . import sources as _sources  # noqa: F401 - installs the loader adapter the prefetch wrappers use
 from .weights import EMA
 from .progress import progress_note, progress_reporter, with_progress_note
 

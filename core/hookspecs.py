@@ -216,7 +216,13 @@ class ExtensionSpec:
 
     @hookspec(firstresult=True)
     def jaxnitro_adapt_source(self, source, split):
-        """Return a jaxnitro source wrapping a foreign loader, or ``None`` if not yours."""
+        """Return a jaxnitro source wrapping a foreign loader, or ``None`` if not yours.
+
+        Asked for every split the framework wraps, and by ``PrefetchIterator`` /
+        ``NoPrefetch`` for the source they are given, so a loader is adapted
+        whether or not the user wraps it; ``split`` is then ``None`` (the wrapper
+        is named later) and is ``"predict"`` for what ``predict`` reads.
+        """
 
     @hookspec(firstresult=True)
     def jaxnitro_make_progress_reporter(self, name):

@@ -78,8 +78,8 @@ class Producers:
         n = len(source)
         self._start_indexed(batch_at, n, workers, start)
         if ordered or workers == 1:
-            return _indexed_ordered(self, n, epoch, start)
-        return _indexed_unordered(self, n, epoch, start)
+            return _indexed_ordered(self, n, epoch, start, split)
+        return _indexed_unordered(self, n, epoch, start, split)
 
     # -- producers ---------------------------------------------------------
 
@@ -173,7 +173,8 @@ class Producers:
 # delivery: each taken item gives its slot back
 
 
-def _indexed_ordered(p: Producers, n: int, epoch: int, start: int = 0) -> Iterator[tuple[int, Any]]:
+def _indexed_ordered(p: Producers, n: int, epoch: int, start: int = 0,
+                     split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
     pending: dict[int, Any] = {}
     for k in range(start, n):
@@ -188,17 +189,18 @@ def _indexed_ordered(p: Producers, n: int, epoch: int, start: int = 0) -> Iterat
                 pending[i] = item
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(k, item.exc, epoch, f"batch_at({k})")
+            raise failure_error(k, item.exc, epoch, f"batch_at({k})", split, n)
         yield item
 
 
-def _indexed_unordered(p: Producers, n: int, epoch: int, start: int = 0) -> Iterator[tuple[int, Any]]:
+def _indexed_unordered(p: Producers, n: int, epoch: int, start: int = 0,
+                       split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
     for _ in range(start, n):
         item = get()
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})")
+            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})", split, n)
         yield item
 
 
@@ -213,7 +215,7 @@ def _iterated(p: Producers, epoch: int, n: int, split: str | None) -> Iterator[t
             return
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(item.index, item.exc, epoch, "iterating the source")
+            raise failure_error(item.index, item.exc, epoch, "iterating the source", split)
         if n is not None and count == n:
             raise SourceLengthError(split, n, n + 1, epoch)
         count += 1

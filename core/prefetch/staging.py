@@ -39,8 +39,8 @@ def synchronous(
 
     An iterated source with ``len()`` must yield exactly ``len(source)`` batches
     (:class:`SourceLengthError` naming ``split`` otherwise); one without is read to its end."""
-    items = _indexed(source, epoch, start) if addressable else skipped(_iterated(source, epoch, split), start)
-    return staged(items, transfer, depth, epoch)
+    items = _indexed(source, epoch, split, start) if addressable else skipped(_iterated(source, epoch, split), start)
+    return staged(items, transfer, depth, epoch, split)
 
 
 def skipped(items: Iterator[tuple[int, Any]], start: int) -> Iterator[tuple[int, Any]]:
@@ -50,14 +50,15 @@ def skipped(items: Iterator[tuple[int, Any]], start: int) -> Iterator[tuple[int,
     return (item for item in items if (item[0] if item.__class__ is tuple else item.index) >= start)
 
 
-def _indexed(source: Any, epoch: int, start: int = 0) -> Iterator[tuple[int, Any]]:
+def _indexed(source: Any, epoch: int, split: str | None = None, start: int = 0) -> Iterator[tuple[int, Any]]:
     batch_at, begin = accessors(source)
     begin(epoch)
-    for i in range(start, len(source)):
+    n = len(source)
+    for i in range(start, n):
         try:
             batch = batch_at(i)
         except Exception as exc:  # noqa: BLE001
-            raise failure_error(i, exc, epoch, f"batch_at({i})")
+            raise failure_error(i, exc, epoch, f"batch_at({i})", split, n)
         yield i, batch
 
 
@@ -67,7 +68,7 @@ def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterato
     try:
         it = iter(source)
     except Exception as exc:  # noqa: BLE001
-        raise failure_error(0, exc, epoch, "iterating the source")
+        raise failure_error(0, exc, epoch, "iterating the source", split)
     try:
         while True:
             try:
@@ -77,7 +78,7 @@ def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterato
                     raise SourceLengthError(split, n, i, epoch) from None
                 return
             except Exception as exc:  # noqa: BLE001
-                raise failure_error(i, exc, epoch, "iterating the source")
+                raise failure_error(i, exc, epoch, "iterating the source", split)
             if n is not None and i == n:
                 raise SourceLengthError(split, n, n + 1, epoch)
             yield i, batch
@@ -97,7 +98,8 @@ def length_of(source: Any) -> int | None:
 
 
 def staged(
-    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int
+    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int,
+    split: str | None = None,
 ) -> Iterator[Any]:
     """Apply ``transfer`` ``depth`` batches ahead of delivery; yield staged batches."""
     if transfer is None:
@@ -109,7 +111,7 @@ def staged(
             try:
                 out = transfer(batch)
             except Exception as exc:  # noqa: BLE001
-                raise failure_error(i, exc, epoch, "transfer")
+                raise failure_error(i, exc, epoch, "transfer", split)
             yield out
         return
     ahead: collections.deque = collections.deque()
@@ -127,7 +129,7 @@ def staged(
         try:
             push(transfer(batch))
         except Exception as exc:  # noqa: BLE001
-            error = failure_error(i, exc, epoch, "transfer")
+            error = failure_error(i, exc, epoch, "transfer", split)
             break
         if len(ahead) > depth:
             yield pop()

@@ -1,6 +1,9 @@
 """The public wrappers: PrefetchIterator, NoPrefetch, and the EpochStream they open.
 
-In: a data source (see :mod:`.contract`). A wrapper validates it once
+In: a data source (see :mod:`.contract`); a foreign loader (a torch
+``DataLoader``, a grain ``MapDataset``) is adapted first, through the adapter
+jaxnitro installs (:func:`.contract.adapted`), so wrapping a loader reads it as
+the framework would unwrapped. A wrapper validates it once
 (``TypeError`` for one without ``len()``, or neither iterable nor addressable,
 or already wrapped; ``ValueError`` for a bad setting). Out, for each call of
 ``epoch(epoch, transfer)``: an :class:`EpochStream` of staged batches.
@@ -54,7 +57,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from .contract import check_epoch, default_workers, describe, is_addressable
+from .contract import _default_cpus, adapted, check_epoch, default_workers, describe, is_addressable
 from .producers import Producers
 from .staging import staged, synchronous
 
@@ -79,6 +82,9 @@ class _Wrapper:
     def __init__(self, source: Any, name: str, unwrap_hint: str, len_hint: str = ""):
         if isinstance(source, _Wrapper):
             raise TypeError(f"{name} got a {type(source).__name__} as its source; {unwrap_hint}")
+        source = adapted(source)  # a foreign loader (torch, grain) through its plugin's adapter
+        if isinstance(source, _Wrapper):  # an adapter that wraps: these settings win
+            source = source.source
         try:
             len(source)
         except TypeError:
@@ -240,7 +246,9 @@ class PrefetchIterator(_Wrapper):
     **Arguments:**
 
     - ``source``: an iterable of batches with ``len()``. A batch is a dict of
-      NumPy arrays, batch dimension first. If the source is *index-addressable*
+      NumPy arrays, batch dimension first. A loader a plugin adapts (a torch
+      ``DataLoader``, a grain ``MapDataset``) is adapted here
+      (``jaxnitro_adapt_source``): ``.source`` is then the adapted source. If the source is *index-addressable*
       (:func:`is_addressable`: it has ``batch_at(i)`` and ``begin_epoch(epoch)``,
       or it is a ``list``/``tuple`` of batches), several producers read it;
       otherwise one producer iterates it.
@@ -252,7 +260,9 @@ class PrefetchIterator(_Wrapper):
       other source. More than one worker on a source that is not addressable
       logs a warning and runs one producer: implementing
       ``batch_at``/``begin_epoch`` is the fix, and :func:`check_batch_at`
-      verifies it.
+      verifies it. The default on such a source (with no ``prefetch_workers``,
+      on more than one CPU) warns the same once jaxnitro names the split
+      (:meth:`warn_one_producer`, at setup).
 
       Threads pay off when producing a batch is slow and releases the GIL
       (reading files, decoding, native augmentation). For a batch gathered
@@ -311,8 +321,13 @@ class PrefetchIterator(_Wrapper):
 
         self.ordered = ordered
         self.device_batches = int(device_batches)
+        source = self.source  # adapted
         if workers is None:
             workers = default_workers(source, self.addressable)
+            if not self.addressable and getattr(source, "prefetch_workers", None) is None:
+                several = min(4, _default_cpus())  # what an addressable source would get
+                if several > 1:
+                    self._unsaid_default = several  # said once, naming the split: warn_one_producer
         workers = int(workers)
         if not self.addressable and workers > 1:
             structlog.get_logger("jaxnitro").warning(
@@ -328,6 +343,25 @@ class PrefetchIterator(_Wrapper):
             self.host_batches = 0
         else:
             self.host_batches = int(host_batches) if host_batches is not None else 2 * workers
+
+    _unsaid_default: int = 0  # producers the default would run on an addressable source, unsaid
+
+    def warn_one_producer(self, split: str | None = None) -> None:
+        """Warn (once) that this source runs in one producer where the default would run
+        several: it is not index-addressable. jaxnitro calls this at setup, naming the split;
+        an explicit ``workers > 1`` warned already, when the wrapper was built."""
+        several, self._unsaid_default = self._unsaid_default, 0
+        if not several:
+            return
+        structlog.get_logger("jaxnitro").warning(
+            "source is not index-addressable: one prefetch producer reads it",
+            split=split or self.split,
+            source=describe(self.source),
+            workers_default=several,
+            fix="define batch_at(i) -> batch and begin_epoch(epoch) -> None on the source so that "
+            f"{several} producers read it; jaxnitro.check_batch_at(source) verifies an implementation "
+            "(PrefetchIterator(source, workers=1) says one producer is meant)",
+        )
 
     def _path(self) -> str:
         if self.workers == 0:
@@ -345,7 +379,7 @@ class PrefetchIterator(_Wrapper):
         producers = Producers(self.host_batches)
         try:
             items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split, start)
-            yield from staged(items, transfer, self.device_batches, epoch)
+            yield from staged(items, transfer, self.device_batches, epoch, self.split)
         finally:
             producers.stop()
 
