@@ -157,7 +157,8 @@ def _finite(v) -> bool:
 
 def _cell(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        text = f"{v:.4g}"
+        return text if any(c in text for c in ".einf") else text + ".0"  # 0.0 stays a float
     return str(v)
 
 

@@ -171,3 +171,19 @@ def test_the_plugin_loads_without_optuna_and_says_how_to_install_it(monkeypatch)
     finally:
         monkeypatch.undo()
         jn.reload_plugins()
+
+
+@pytest.mark.slow
+def test_the_example_study_compiles_nothing_after_the_first_trial(capsys):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "mnist"))
+    import optuna_study
+
+    study = optuna_study.main(["--trials", "4", "--epochs", "2"])
+    assert len(study.trials) == 4
+    assert study.trials[0].user_attrs["compiles"] > 0 or jn.cache_stats().misses > 0
+    assert [t.user_attrs["compiles"] for t in study.trials[1:]] == [0, 0, 0]
+    assert [t.user_attrs["xla_compiles"] for t in study.trials[1:]] == [0, 0, 0]
+    out = capsys.readouterr().out
+    assert "programs compiled by trials after the first: 0; XLA compilations: 0" in out
