@@ -103,3 +103,9 @@ def test_a_value_a_schedule_would_overwrite_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"replace the schedule learning_rate .* by a constant.*schedules=\{\}"):
         jn.sweep(Tiny(), {"learning_rate": [1e-3]}, data=DATA, schedules=sched, run_dir=tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_diverging_point_is_a_row_and_the_sweep_goes_on(tmp_path):
+    res = jn.sweep(Tiny(), {"learning_rate": [1e30, 1e-2]}, data=DATA, run_dir=tmp_path, logger=None)
+    assert [r["status"] for r in res] == ["diverged", "done"]
+    assert res[0]["stop_reason"].startswith("non-finite loss at step") and res[1]["epochs"] == 2
