@@ -723,6 +723,7 @@ class _Saver:
             "metrics": jsonable(dict(row), strict=False) if row is not None else None,
             "end": end,
             "progress": {"open_row": self._open_row(step, row, end)},
+            "horizon": self.run.horizon,  # the steps the schedules were planned over
         }
 
     def _open_row(self, step: int, row, end) -> list | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["EventBook", "make_book"]
+__all__ = ["EventBook", "make_book", "schedule_horizon"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,30 @@ def make_book(settings, steps_per_epoch: int | None, periods=()) -> EventBook:
         if p < 1 or not math.isfinite(p):
             raise ValueError(f"jaxnitro: a plugin asked for a step period of {p}; it must be an integer >= 1.")
     return EventBook(steps_per_epoch, total, settings.val_every_n_steps, clean)
+
+
+def schedule_horizon(settings, steps_per_epoch: int | None, bindings, resumed_meta: dict | None) -> int:
+    """The optimizer steps a run's schedules are planned over (each factory gets it).
+
+    A fresh run: the run's own total (``max_steps``, or ``max_epochs`` x ``steps_per_epoch``).
+    A resumed run whose checkpoint recorded another horizon (the run was made longer or
+    shorter) and that has schedules: ``schedule_horizon="saved"`` keeps the recorded one (the
+    curves continue; past their end they hold their last value), ``"new"`` re-plans over this
+    run's total (the values jump at the seam); without either, ``ValueError`` naming both.
+    """
+    total = make_book(settings, steps_per_epoch).total
+    saved = (resumed_meta or {}).get("horizon")
+    if saved is None or int(saved) == total or not bindings:
+        return total
+    if settings.schedule_horizon == "saved":
+        return int(saved)
+    if settings.schedule_horizon == "new":
+        return total
+    step = (resumed_meta or {}).get("step")
+    raise ValueError(
+        f"jaxnitro: this run resumes at step {step} a run whose schedules were planned over {int(saved)} "
+        f"optimizer steps, but it plans {total} (max_epochs / max_steps changed). Re-planning them would "
+        f"move every schedule's value at the seam. Say which: `schedule_horizon=\"saved\"` continues the "
+        f"original curves (past step {int(saved)} they hold their last value), `schedule_horizon=\"new\"` "
+        f"re-plans them over {total} steps."
+    )

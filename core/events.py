@@ -34,7 +34,9 @@ class RunContext:
       history row still open at ``step`` (its steps after the last closed row, up to
       ``step``), or None when not all are read; a checkpoint keeps it, so that a run
       resumed from that step averages the row over all of its steps;
-    - ``time_limit_reached``: set when ``max_time`` ended the run.
+    - ``time_limit_reached``: set when ``max_time`` ended the run;
+    - ``horizon``: set by the loop: the optimizer steps the schedules are planned over (a
+      checkpoint records it, for the horizon rule of a resumed run).
     """
 
     nitro: object
@@ -43,6 +45,7 @@ class RunContext:
     stop_reason: str | None = None
     open_row: object = None
     time_limit_reached: bool = False
+    horizon: int | None = None
 
     @property
     def settings(self):

@@ -35,6 +35,7 @@ KNOB_DEFAULTS: dict[str, object] = {
     "max_steps": None,
     "val_every_n_steps": None,
     "max_time": None,
+    "schedule_horizon": None,
     "schedules": None,
     "gradient_clip_norm": 0.0,
     "check_divergence": True,
@@ -153,6 +154,7 @@ class Settings:
     max_steps: int | None = None
     val_every_n_steps: int | None = None
     max_time: float | None = None
+    schedule_horizon: str | None = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -200,6 +202,10 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
         if v is not None and (not _is_int(v) or v < 1):
             refuse(name, f"it must be an integer >= 1 ({what}), or None.")
     max_time_seconds(knobs["max_time"].value, knobs["max_time"].source)
+    if knobs["schedule_horizon"].value not in (None, "saved", "new"):
+        refuse("schedule_horizon", "give \"saved\" (a resumed run's schedules continue the curves of "
+                                   "the horizon they were planned over) or \"new\" (re-plan them over "
+                                   "this run's steps), or None.")
     seed = knobs["seed"].value
     if not _is_int(seed) or not -(2**63) <= seed < 2**63:
         refuse("seed", "it must be an integer in JAX's 64-bit range (e.g. `seed=1`); a float or a "
@@ -297,6 +303,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         max_steps=None if k["max_steps"] is None else int(k["max_steps"]),
         val_every_n_steps=None if k["val_every_n_steps"] is None else int(k["val_every_n_steps"]),
         max_time=max_time_seconds(k["max_time"], knobs["max_time"].source),
+        schedule_horizon=k["schedule_horizon"],
         schedules=k["schedules"] or {},
         gradient_clip_norm=float(k["gradient_clip_norm"] or 0.0),
         check_divergence=bool(k["check_divergence"]),

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import knobs as _knobs
+from .book import schedule_horizon
 from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
 from .distributed import check_batch_divides, check_n_devs, make_dist, split_for_process
@@ -102,6 +103,8 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
             state, plan, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)), steps_per_epoch=spe
         )
     settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
+    if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
+        schedule_horizon(settings, len(data["train"]) // settings.accum, plan.bindings, record.metadata)
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
     state, device_values = dist.replicate(state), dist.replicate(device_values)  # n_devs > 1: on every device
     return Built(e, settings, data, plan, state, device_values)

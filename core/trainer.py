@@ -24,7 +24,7 @@ import structlog
 
 from .batches import unwrap
 from .blocks import ColumnBlocks
-from .book import make_book
+from .book import make_book, schedule_horizon
 from .dispatch import ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, emit, emit_finish, run_scoped
@@ -174,7 +174,9 @@ class _Run:
         self.steps_per_epoch = len(self.train) // accum
         periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p]
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
-        self.scheds = StepValues(nitro, max(self.book.total, 1))
+        resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
+        run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
+        self.scheds = StepValues(nitro, max(run.horizon, 1))
         self.validated = "val" in nitro.data
         dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)

@@ -103,45 +103,47 @@ def test_checkpoints_every_n_steps_keep_best_and_last_and_resume_mid_epoch(tmp_p
     assert resumed.rows[0]["loss"] == straight.rows[2]["loss"] and resumed.rows[1] == straight.rows[3]
 
 
-def test_a_preempted_run_checkpoints_and_resumes_exactly(tmp_path, monkeypatch):
-    from jaxnitro import trainer
-
-    monkeypatch.setattr(trainer, "READ_EVERY", 2)  # reads (and so the stop) mid-epoch
-    monkeypatch.setattr(trainer, "MAX_PENDING", 8)
+def test_a_preempted_run_checkpoints_and_resumes_exactly(tmp_path):
     ckpt = jn.Checkpointer(keep=jn.Last(1), asynchronous=False)
     straight = jn.train(Tiny(), run_dir=tmp_path / "a", max_epochs=3, logger=None)
-    stopper = _StopAt(8)
-    from jaxnitro.plugin_manager import plugin_manager
-
-    plugin_manager().register(stopper, name="stopper")
-    try:
-        with pytest.raises(jn.Preempted) as info:
-            jn.train(Tiny(), run_dir=tmp_path / "b", max_epochs=3, checkpointer=ckpt, logger="jsonl")
-    finally:
-        plugin_manager().unregister(stopper)
+    data = {"train": _PreemptingSource(tiny_data()["train"], at=(2, 3)), "val": tiny_data()["val"]}
+    with pytest.raises(jn.Preempted) as info:
+        jn.train(Tiny(), data=data, run_dir=tmp_path / "b", max_epochs=3, checkpointer=ckpt, logger="jsonl")
     assert info.value.code == jn.PREEMPTED_EXIT_CODE == 143
     (folder,) = (tmp_path / "b").iterdir()
     finish = [r for r in jn.read_jsonl(folder / "metrics.jsonl") if r.get("kind") == "finish"]
     assert finish[-1]["status"] == "preempted"
     resumed = jn.Nitro(Tiny(), run_dir=tmp_path / "b", resume="auto", max_epochs=3, checkpointer=ckpt, logger=None)
-    assert 8 <= resumed.step < 12
+    # mid-epoch 2: batch 3 is read (staged one ahead) as step 9 takes batch 2; step 9 completes
+    assert resumed.step == 9
+    assert len(resumed.plan.resumed.open_row) == resumed.step - 6  # the open row: epoch 2's steps so far
     resumed.train()
     assert_same_state(resumed, straight)
-    assert resumed.rows == straight.rows[-len(resumed.rows):]
+    assert resumed.rows == straight.rows[-len(resumed.rows):]  # epoch 2's row averages steps 7-12
 
 
-class _StopAt:
-    """Requests a preemption (as SIGTERM does) once a read stretch reaches step ``at``."""
+class _PreemptingSource:
+    """Tiny's train batches, index-addressable; requests a preemption (as SIGTERM does) when
+    batch ``at = (epoch, index)`` is read. Read in the consumer's thread (no producers read
+    ahead), one batch staged ahead of the step that takes it."""
 
-    def __init__(self, at):
-        self.at = at
+    prefetch_workers = 0
 
-    @jn.hookimpl
-    def jaxnitro_steps_read(self, run, stretch):
+    def __init__(self, batches, at):
+        self.batches, self.at, self.epoch = batches, at, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def begin_epoch(self, epoch):
+        self.epoch = epoch
+
+    def batch_at(self, i):
         from jaxnitro.interrupts import request
 
-        if stretch.first_step + len(stretch) - 1 >= self.at and request.status is None:
+        if (self.epoch, i) == self.at:
             request.status = "preempted"
+        return self.batches[i]
 
 
 def test_max_time_preempts(tmp_path):
@@ -217,3 +219,45 @@ def test_sigterm_preempts_with_exit_code_143_and_requeue_continues(tmp_path):
     finish = [r for r in jn.read_jsonl(folder / "metrics.jsonl") if r.get("kind") == "finish"]
     assert [f["status"] for f in finish] == ["preempted", "done"]
     assert sorted(train_lines(folder)) == list(range(1, 601))
+
+
+# -- the horizon rule ----------------------------------------------------------------------------
+
+
+def test_a_longer_resumed_run_must_say_which_horizon_its_schedules_follow(tmp_path):
+    import optax
+
+    sched = {"learning_rate": lambda total: optax.linear_schedule(1e-2, 0.0, total)}
+    kw = dict(run_dir=tmp_path, schedules=sched, checkpointer=jn.Checkpointer(keep=jn.Last(1), asynchronous=False),
+              logger=None)
+    first = jn.train(Tiny(), max_epochs=2, **kw)
+    with pytest.raises(ValueError, match=r'planned over 12 optimizer steps, but it plans 24.*schedule_horizon="saved"'):
+        jn.Nitro(Tiny(), resume="auto", max_epochs=4, **kw)
+    same = jn.Nitro(Tiny(), resume="auto", max_epochs=2, **kw)  # the same horizon: nothing to decide
+    assert same.step == first.step == 12
+
+    def rates(nitro):
+        got = {}
+
+        class Rates:
+            @jn.hookimpl
+            def jaxnitro_steps_read(self, run, stretch):
+                for step, _, line in stretch.lines():
+                    got[step] = line["schedule/default/learning_rate"]
+
+        from jaxnitro.plugin_manager import plugin_manager
+
+        plugin_manager().register(Rates(), name="rates")
+        try:
+            nitro.train()
+        finally:
+            plugin_manager().unregister(name="rates")
+        return got
+
+    saved = rates(jn.Nitro(Tiny(), resume="auto", max_epochs=4, schedule_horizon="saved", **kw))
+    # the original 12-step curve's last value (its step 12), held: no jump at the seam
+    assert saved[13] == saved[24] == pytest.approx(1e-2 / 12)
+    kw["run_dir"] = tmp_path / "again"
+    jn.train(Tiny(), max_epochs=2, **kw)
+    new = rates(jn.Nitro(Tiny(), resume="auto", max_epochs=4, schedule_horizon="new", **kw))
+    assert new[13] == pytest.approx(1e-2 * (1 - 12 / 24))  # re-planned over 24 steps
