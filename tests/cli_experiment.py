@@ -43,3 +43,25 @@ class CliTiny(Tiny):
 
     def checkpointer(self):
         return jn.Checkpointer(keep=(jn.Best(1), jn.Last(1)))
+
+
+@jn.experiment
+class CtrlCTiny(CliTiny):
+    """CliTiny that sends itself SIGINT (a real Ctrl-C, through the signal handler) in its
+    ``interrupt_at``-th ``finalize_metrics`` call of the process."""
+
+    max_epochs: int = 4
+    "Epoch budget."
+    interrupt_at: int = 2
+    "The finalize_metrics call (1-based, counted per process) during which SIGINT arrives; 0: never."
+
+    def finalize_metrics(self, acc, split):
+        import signal
+
+        CtrlCTiny.validations += 1
+        if split == "val" and CtrlCTiny.validations == self.interrupt_at:
+            signal.raise_signal(signal.SIGINT)
+        return acc
+
+
+CtrlCTiny.validations = 0
