@@ -253,8 +253,20 @@ def _fill(text: str) -> str:
     return textwrap.fill(text, width, initial_indent="  ", subsequent_indent="  ")
 
 
+def _describe(value) -> str:
+    """``repr`` with functions by name (``{'learning_rate': <lambda in MnistMLP.schedules>}``)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        name = value.__qualname__.replace(".<locals>", "")
+        if name.endswith("<lambda>"):
+            return f"<lambda in {name[: -len('.<lambda>')] or value.__module__}>"
+        return f"<function {name}>"
+    return repr(value)
+
+
 def _short_repr(value, limit: int = 70) -> str:
-    text = repr(value)
+    text = _describe(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
