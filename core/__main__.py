@@ -15,7 +15,14 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line plugin's ``main(argv)``; its exit status."""
+    """Run the command line plugin's ``main(argv)``; its exit status (2, with a message, when
+    no ``cli`` entry point is installed or ``JAXNITRO_DISABLE_PLUGINS`` names it)."""
+    from .plugin_manager import DISABLE_ENV, _disabled_from_env
+
+    if "cli" in _disabled_from_env():
+        print(f"jaxnitro: the command line plugin `cli` is disabled by {DISABLE_ENV}; remove it from "
+              f"that list to use the command line.", file=sys.stderr)
+        return 2
     found = sorted(entry_points(group="jaxnitro", name="cli"), key=lambda ep: ep.value.startswith("jaxnitro."))
     if not found:
         print(

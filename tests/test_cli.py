@@ -154,3 +154,13 @@ def test_the_console_script_runs():
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and all(c in done.stdout for c in ("train", "evaluate", "predict", "runs"))
+
+
+def test_python_m_jaxnitro_finds_the_cli_through_its_entry_point(capsys, monkeypatch):
+    from jaxnitro.__main__ import main as module_main
+
+    assert module_main(["runs", "--help"]) == 0
+    assert "usage:" in capsys.readouterr().out
+    monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", "cli")
+    assert module_main(["--help"]) == 2
+    assert "command line plugin `cli` is disabled by JAXNITRO_DISABLE_PLUGINS" in capsys.readouterr().err
