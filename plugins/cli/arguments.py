@@ -391,7 +391,7 @@ def parse(spec: ParserSpec, argv: list[str], *, experiment_spec: str | None = No
     parser = spec.parser
     argv = list(argv)
     if experiment_spec is not None and any(f.dest == "experiment" for f in parser._actions):
-        argv = ["--experiment", experiment_spec, *argv]
+        argv = [*argv, "--experiment", experiment_spec]  # last: the first argument wins over a --config file
     try:
         ns = parser.parse_args(argv)
         given_ns = parser.parse_args(argv, defaults=False)

@@ -175,7 +175,7 @@ def _evaluate(inv, prog_words, argv) -> int:
     import jaxnitro as jn
 
     o = inv.options
-    with on_interrupt(prog_words, argv, []):
+    with on_interrupt(prog_words, argv, [], training=False):
         nitro = jn.Nitro(inv.experiment, weights=weights_spec(o["weights"]), **inv.knobs)
         metrics = nitro.evaluate(split=o["split"])
     scalars, others = _scalars(metrics)
@@ -209,7 +209,7 @@ def _predict(inv, prog_words, argv) -> int:
             batch = {k: f[k] for k in f.files}
     except (OSError, ValueError) as err:
         raise CommandLineError(f"--input {o['input']}: not a readable .npz ({err})") from None
-    with on_interrupt(prog_words, argv, []):
+    with on_interrupt(prog_words, argv, [], training=False):
         nitro = jn.Nitro(inv.experiment, data={}, weights=weights_spec(o["weights"]), **inv.knobs)
         outputs = nitro.predict(batch)
     flat = _flat_outputs(outputs)

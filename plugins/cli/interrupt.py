@@ -43,8 +43,11 @@ def continue_command(prog: list[str], argv: list[str], *, resume: bool = True) -
     return shlex.join([*prog, *args])
 
 
-def interrupt_line(nitro, prog: list[str], argv: list[str]) -> str:
-    """The one line printed after Ctrl-C (see the module docstring)."""
+def interrupt_line(nitro, prog: list[str], argv: list[str], *, training: bool = True) -> str:
+    """The one line printed after Ctrl-C (see the module docstring); ``training=False`` (evaluate,
+    predict): the command to run again."""
+    if not training:
+        return f"interrupted; run again with: {continue_command(prog, argv, resume=False)}"
     if nitro is None or nitro.status == "ready":
         return f"interrupted before training started; run again with: {continue_command(prog, argv, resume=False)}"
     where = f"interrupted at step {nitro.step:,}, epoch {nitro.epoch}/{nitro.settings.max_epochs}"
@@ -55,14 +58,14 @@ def interrupt_line(nitro, prog: list[str], argv: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def on_interrupt(prog: list[str], argv: list[str], ref: list):
+def on_interrupt(prog: list[str], argv: list[str], ref: list, *, training: bool = True):
     """Turn a ``KeyboardInterrupt`` in the block into :func:`interrupt_line` on stderr and
     ``SystemExit(130)``. ``ref`` is a list the block puts its handle in (``ref[:] = [nitro]``)
-    once it is built."""
+    once it is built; ``training=False`` for a block that trains nothing."""
     try:
         yield ref
     except KeyboardInterrupt:
         nitro = ref[0] if ref else None
         sys.stdout.flush()
-        print(interrupt_line(nitro, prog, argv), file=sys.stderr, flush=True)
+        print(interrupt_line(nitro, prog, argv, training=training), file=sys.stderr, flush=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
