@@ -249,8 +249,7 @@ def experiment(cls=None, /):
 
     Raises at decoration (:func:`_check_member_names`): ``TypeError`` for a
     ``GraphConst`` field named ``seed``, a field named like an experiment hook, a
-    method that attrs would drop because a field has its name;
-    ``NotImplementedError`` for a ``train_step`` method. Raises at construction
+    method that attrs would drop because a field has its name. Raises at construction
     for an unhashable GraphConst value or a Device value that does not convert
     to an array without loss.
     """
@@ -328,7 +327,6 @@ def _check_member_names(cls, infos: dict) -> dict:
     attrs is about to drop because an inherited field has their name (``{name: method}``).
 
     * a field named like an experiment hook: hooks are methods (``TypeError``);
-    * a ``train_step`` method: manual training is not available yet (``NotImplementedError``);
     * a method named like a field: attrs keeps the field and drops the method. For a run
       knob the method is kept aside (a method > a field, see :func:`method_of`); for any
       other name it is refused (``TypeError``).

@@ -146,6 +146,7 @@ def run_params(nitro, run_dir: str) -> dict:
     for split, src in nitro.data.items():
         for k, v in (src.info() if hasattr(src, "info") else {}).items():
             params[f"prefetch/{split}/{k}"] = _json_safe(v)
+    params["monitor"] = list(nitro.settings.monitor) if nitro.settings.monitor else None  # jaxnitro runs
     params["n_params"] = int(sum(np.size(x) for x in jax.tree_util.tree_leaves(nitro.params)))
     params["run_dir"] = run_dir
     return params

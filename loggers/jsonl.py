@@ -16,7 +16,7 @@ The file is strict JSON: NaN and infinities are written as the strings
 ``"nan"``, ``"inf"`` and ``"-inf"`` (``NaN``/``Infinity`` literals are not JSON
 and many readers refuse them); arrays become nested lists; NumPy and JAX
 scalars become Python numbers; any other object becomes its ``repr`` string.
-Logging never fails because of an odd value. :func:`read_jsonl` reads a file
+Logging never fails because of an odd value. :func:`read_jsonl` (exported as ``jn.read_jsonl``) reads a file
 back, optionally turning those strings back into floats.
 """
 
@@ -338,5 +338,5 @@ def jaxnitro_default_logger():
 
 @hookimpl(trylast=True)
 def jaxnitro_exports():
-    """``jn.read_jsonl`` and ``jn.JSONLLogger``."""
-    return {"read_jsonl": read_jsonl, "JSONLLogger": JSONLLogger}
+    """``jn.read_jsonl``: read a run's ``metrics.jsonl`` back (``jaxnitro runs`` uses it)."""
+    return {"read_jsonl": read_jsonl}

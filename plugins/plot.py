@@ -5,7 +5,8 @@ exports :func:`plot` as ``jaxnitro.plot``. matplotlib is an optional extra
 (``pip install jaxnitro[plot]``) imported on the first plot; without it a plot
 raises ``ImportError`` saying what to install.
 
-What is drawn, for a :class:`jaxnitro.MetricHistory` ``h``:
+What is drawn, for a :class:`jaxnitro.MetricHistory` ``h`` (``jn.plot(nitro)`` draws
+``nitro.history()``):
 
 * ``h.plot()``: one axis, the monitored metric over epochs, the best epoch
   starred (without a ``monitor``: the train loss);
@@ -41,6 +42,19 @@ from jaxnitro.hookspecs import hookimpl
 __all__ = ["plot"]
 
 _FIXED = ("epoch", "step")
+
+
+def _history_of(obj):
+    """``obj`` if it is a history (it has ``scalar_columns``), else a handle's ``history()``."""
+    if hasattr(obj, "scalar_columns"):
+        return obj
+    history = getattr(obj, "history", None)
+    if callable(history):
+        return history()
+    raise TypeError(
+        f"jaxnitro.plot: got a {type(obj).__name__}; give a history (`nitro.history()`, a "
+        f"selection such as `h[10:20]`) or a handle (`jn.plot(nitro)`)."
+    )
 
 
 def _metrics(history, metrics) -> list[str]:
@@ -109,9 +123,12 @@ def _axes(ax, n: int):
 def plot(history, *, metrics=None, x: str = "epoch", ax=None, title: str | None = None):
     """Draw ``history``; see the module docstring. Returns the matplotlib ``Figure``.
 
-    Raises ``ValueError`` for an unknown ``x`` or a wrong number of axes, ``KeyError``
-    for an unknown metric, ``ValueError`` for an empty history.
+    ``history`` is a :class:`jaxnitro.MetricHistory` or a handle (``jn.plot(nitro)``, as the
+    tutorial spells it: the handle's ``history()``). Raises ``TypeError`` for anything else,
+    ``ValueError`` for an unknown ``x`` or a wrong number of axes, ``KeyError`` for an unknown
+    metric, ``ValueError`` for an empty history.
     """
+    history = _history_of(history)
     try:
         import matplotlib  # noqa: F401
     except ImportError as err:  # pragma: no cover - the extra is installed in CI

