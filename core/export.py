@@ -371,8 +371,11 @@ class ExportedForward:
 
     ``metadata`` is the artifact's ``metadata.json``; ``exported`` the
     :class:`jax.export.Exported`. With Device values as inputs, pass them as keywords too
-    (a missing one takes its exported value). Extra keywords that are neither fields nor
+    (a missing one takes its exported value); with Device values baked in, passing one is a
+    ``TypeError`` (it could not be applied). Extra keywords that are neither fields nor
     Device values are ignored, as ``nitro.predict`` ignores batch fields ``forward`` does not take.
+    Loading raises :class:`ExportError` naming the file when the folder or one of its files
+    is missing, truncated or corrupted.
     """
 
     def __init__(self, path):
