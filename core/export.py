@@ -216,8 +216,8 @@ def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symb
     plan, state = nitro.plan, nitro.state
     progs = plan.programs
     route = plan.routes["forward"]
-    specs, width = _field_specs_for_export(nitro, example)
     _check_destination(path, overwrite)
+    specs, width = _field_specs_for_export(nitro, example)
     cls = type(nitro.experiment)
 
     dev_values = {k: np.asarray(jax.device_get(v)) for k, v in nitro.device_values.items()}
