@@ -14,18 +14,31 @@
 The weights (``nitro.state.eval_params``: the EMA when on; and ``nitro.model_state``)
 are baked into the program as constants. Device values are baked too by default, or
 become named inputs with ``device_inputs=True`` (their exported values are the defaults).
+Every baked constant passes through ``jax.lax.optimization_barrier`` first, so XLA
+compiles the operations that read it as it compiles ``predict``'s program, which takes
+them as inputs: without the barrier XLA folds the constant weights into a convolution
+and rounds it differently (measured ~1e-7 on a small conv net).
+
+The destination is checked before anything is traced: a path that is a file, a folder
+that already holds an export (unless ``overwrite=True``) or a location that cannot be
+written is an :class:`ExportError` naming the path and the fix. Each file is written
+under a temporary name and renamed into place.
 
 ``jn.load_exported(path)`` returns an :class:`ExportedForward`: call it with the batch
 fields as keywords (``f(x=...)``) to get host NumPy outputs equal to ``nitro.predict`` on
 the same batch (bitwise, on the same backend: a batch narrower than the compiled width is
 padded to it and sliced back, exactly as ``predict`` does). It needs only jax and NumPy's
-view of the artifact: the experiment's module is never imported.
+view of the artifact: the experiment's module is never imported. A missing, truncated or
+corrupted file of the artifact is an :class:`ExportError` naming the file and saying to
+export again; a Device value passed to an export that baked it in is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 
 import jax
@@ -52,7 +65,62 @@ NOT_INCLUDED = {
 
 
 class ExportError(ValueError):
-    """What cannot be exported: the message says what, why, and the fix."""
+    """What cannot be exported, written or loaded: the message says what, why, and the fix."""
+
+
+def _check_destination(path, overwrite: bool) -> None:
+    """Refuse, before tracing, a ``path`` the export could not be written to.
+
+    Raises :class:`ExportError` when ``path`` is an existing file, a folder that already
+    holds an export (``forward.jaxexport`` or ``metadata.json``) and ``overwrite`` is False,
+    or when its nearest existing folder cannot be written (a parent that is a file, no
+    write permission, a read-only file system: probed by creating and removing a temporary
+    file there). Creates nothing.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ExportError(
+            f"jaxnitro: cannot export to {path}: it is an existing file, and an export is a folder "
+            f"(holding {PROGRAM_FILE} and {METADATA_FILE}). Fix: pass a folder path (new or existing), "
+            f"or remove the file."
+        )
+    present = [f for f in (PROGRAM_FILE, METADATA_FILE) if os.path.exists(os.path.join(path, f))]
+    if present and not overwrite:
+        raise ExportError(
+            f"jaxnitro: cannot export to {path}: the folder already holds an export ({', '.join(present)}). "
+            f"Fix: pass `overwrite=True` to replace it, or choose another path."
+        )
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ExportError(
+            f"jaxnitro: cannot export to {path}: {parent} is a file, so no folder can be made below it. "
+            f"Fix: choose a path whose parents are folders."
+        )
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as err:
+        raise ExportError(
+            f"jaxnitro: cannot export to {path}: the folder {parent} cannot be written "
+            f"({type(err).__name__}: {err.strerror or err}). Fix: choose a writable path, or make "
+            f"{parent} writable."
+        ) from err
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path + ".partial"``, then rename it to ``path`` (a crash mid-write
+    leaves no truncated ``path``)."""
+    tmp = path + ".partial"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 # -- export ------------------------------------------------------------------------------------
@@ -134,10 +202,11 @@ def _dim(d):
 
 
 def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symbolic_batch: bool = True,
-                 platforms=None) -> str:
+                 platforms=None, overwrite: bool = False) -> str:
     """Write ``nitro``'s inference program and metadata to the folder ``path``; return it.
 
-    See :meth:`jaxnitro.Nitro.export`.
+    See :meth:`jaxnitro.Nitro.export`. The destination is checked (:func:`_check_destination`)
+    before anything is traced.
     """
     from jax import export as jex
 
@@ -147,6 +216,7 @@ def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symb
     plan, state = nitro.plan, nitro.state
     progs = plan.programs
     route = plan.routes["forward"]
+    _check_destination(path, overwrite)
     specs, width = _field_specs_for_export(nitro, example)
     cls = type(nitro.experiment)
 
@@ -169,13 +239,16 @@ def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symb
     if route.wants_key:  # predict's key: fold_in(run key, 0), baked in
         key_entries = {KEY_DATA: np.asarray(jax.device_get(state.rng)), KEY_COUNT: np.uint32(0)}
 
+    def barrier(tree):  # baked constants stay opaque to XLA, as predict's inputs are
+        return jax.lax.optimization_barrier(tree) if jax.tree_util.tree_leaves(tree) else tree
+
     def forward(batch, dev):
         # the body of ProgramSet.forward: the compile view, inference mode, the routed fields
         if key_entries is not None:
-            batch = {**batch, **key_entries}
+            batch = {**batch, **barrier(key_entries)}
         batch = with_key(batch)
-        params = unflatten(p_def, list(p_leaves))
-        model_state = unflatten(s_def, list(s_leaves))
+        params = unflatten(p_def, barrier(list(p_leaves)))
+        model_state = unflatten(s_def, barrier(list(s_leaves)))
         outputs, _ = progs._forward(progs.view(dev), params, model_state, batch, inference=True)
         return outputs
 
@@ -183,7 +256,7 @@ def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symb
         fn = forward
         dev_arg = lambda: ({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in dev_values.items()},)
     else:
-        fn = lambda batch: forward(batch, dev_values)
+        fn = lambda batch: forward(batch, barrier(dev_values))
         dev_arg = lambda: ()
 
     def batch_args(b):
@@ -275,13 +348,12 @@ def export_nitro(nitro, path, *, example=None, device_inputs: bool = False, symb
             "model_state": nitro.model_state is not None,
         },
         "key": "baked: fold_in(run key, 0), as nitro.predict" if key_entries is not None else None,
+        "program": {"file": PROGRAM_FILE, "bytes": len(blob), "sha256": hashlib.sha256(bytes(blob)).hexdigest()},
         "not_included": dict(NOT_INCLUDED),
     }
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, PROGRAM_FILE), "wb") as fh:
-        fh.write(bytes(blob))
-    with open(os.path.join(path, METADATA_FILE), "w") as fh:
-        json.dump(meta, fh, indent=2)
+    _write_atomically(os.path.join(path, PROGRAM_FILE), bytes(blob))
+    _write_atomically(os.path.join(path, METADATA_FILE), json.dumps(meta, indent=2).encode())
     return os.fspath(path)
 
 
@@ -299,23 +371,17 @@ class ExportedForward:
 
     ``metadata`` is the artifact's ``metadata.json``; ``exported`` the
     :class:`jax.export.Exported`. With Device values as inputs, pass them as keywords too
-    (a missing one takes its exported value). Extra keywords that are neither fields nor
+    (a missing one takes its exported value); with Device values baked in, passing one is a
+    ``TypeError`` (it could not be applied). Extra keywords that are neither fields nor
     Device values are ignored, as ``nitro.predict`` ignores batch fields ``forward`` does not take.
+    Loading raises :class:`ExportError` naming the file when the folder or one of its files
+    is missing, truncated or corrupted.
     """
 
     def __init__(self, path):
-        from jax import export as jex
-
         self.path = os.fspath(path)
-        with open(os.path.join(path, METADATA_FILE)) as fh:
-            self.metadata = json.load(fh)
-        if self.metadata.get("format") != FORMAT:
-            raise ValueError(
-                f"jaxnitro: {path} is not a jaxnitro export (format {self.metadata.get('format')!r}, "
-                f"expected {FORMAT!r}); write it with `nitro.export(path)`."
-            )
-        with open(os.path.join(path, PROGRAM_FILE), "rb") as fh:
-            self.exported = jex.deserialize(bytearray(fh.read()))
+        self.metadata = _read_metadata(self.path)
+        self.exported = _read_program(self.path, self.metadata.get("program"))
         # one jit around the call: `Exported.call` alone wraps a fresh jit per call (measured ~2x slower)
         self.jitted = jax.jit(self.exported.call)
         self.width = self.metadata["batch"]["width"]
@@ -326,6 +392,15 @@ class ExportedForward:
         self._dev_defaults = {k: np.asarray(v["value"], dtype=v["dtype"]) for k, v in dev["values"].items()}
 
     def __call__(self, **kwargs):
+        baked = [k for k in self._dev_defaults if k in kwargs and k not in self.inputs]
+        if baked and not self.device_inputs:
+            values = ", ".join(f"{k}={self._dev_defaults[k].tolist()!r}" for k in baked)
+            raise TypeError(
+                f"jaxnitro: Device value(s) {baked} passed to an export that baked them in ({values}, "
+                f"`metadata['device']['mode'] == 'baked'`); the program cannot take another value, "
+                f"so it would be ignored. Fix: drop the keyword(s), or export again with "
+                f"`nitro.export(path, device_inputs=True)` to pass them per call."
+            )
         missing = [f for f, s in self.inputs.items() if s["required"] and f not in kwargs]
         if missing:
             raise TypeError(
@@ -375,7 +450,17 @@ class ExportedForward:
                     raise ValueError(f"jaxnitro: Device value `{k}` has shape {v.shape}; exported with {default.shape}.")
                 dev[k] = v.astype(default.dtype)
             args += (dev,)
-        out = jax.device_get(self.jitted(*args))
+        try:
+            out = jax.device_get(self.jitted(*args))
+        except Exception as err:
+            if "deserialize" not in str(err):
+                raise
+            raise ExportError(
+                f"jaxnitro: the export at {self.path} cannot run: XLA failed to deserialize the "
+                f"StableHLO program in {os.path.join(self.path, PROGRAM_FILE)} ({str(err).splitlines()[0]}). "
+                f"It was written by jax {self.metadata['jax_version']}; this is jax {jax.__version__}. "
+                f"Fix: export it again with `nitro.export(path, overwrite=True)` (with this jax version)."
+            ) from err
         if n < w:
             out = jax.tree_util.tree_map(lambda x: x[:n], out)
         return out
@@ -386,6 +471,83 @@ class ExportedForward:
             f"ExportedForward({m['experiment']['class']}, inputs={ {f: s['shape'] for f, s in self.inputs.items()} }, "
             f"device={m['device']['mode']}, jax {m['jax_version']})"
         )
+
+
+def _corrupt(path: str, file: str, err, what: str) -> ExportError:
+    """The load error for a bad ``file`` of the export at ``path`` (``err``: the exception, or a detail)."""
+    detail = err if isinstance(err, str) else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return ExportError(
+        f"jaxnitro: cannot load the export at {path}: {os.path.join(path, file)} {what} "
+        f"({detail}). The artifact is "
+        f"truncated, corrupted or incomplete. Fix: export it again with `nitro.export(path, "
+        f"overwrite=True)`."
+    )
+
+
+_METADATA_KEYS = {
+    "batch": ("width", "symbolic"), "inputs": (), "device": ("mode", "values"), "experiment": ("class",),
+    "jax_version": (),
+}
+
+
+def _read_metadata(path: str) -> dict:
+    """``metadata.json`` of the export at ``path``, checked; :class:`ExportError` naming the file
+    when the folder or the file is missing, it is not JSON (e.g. truncated), or it is not a
+    jaxnitro export's."""
+    if not os.path.isdir(path):
+        raise ExportError(
+            f"jaxnitro: cannot load the export at {path}: "
+            f"{'it is a file' if os.path.exists(path) else 'no such folder'}; an export is the folder "
+            f"`nitro.export(path)` wrote (holding {PROGRAM_FILE} and {METADATA_FILE}). Fix: pass that folder."
+        )
+    file = os.path.join(path, METADATA_FILE)
+    try:
+        with open(file, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except FileNotFoundError as err:
+        raise _corrupt(path, METADATA_FILE, err, "is missing") from err
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _corrupt(path, METADATA_FILE, err, "cannot be read as JSON") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ExportError(
+            f"jaxnitro: {path} is not a jaxnitro export ({file} has format {found!r}, expected "
+            f"{FORMAT!r}); write it with `nitro.export(path)`."
+        )
+    missing = [
+        f"{k}.{sub}" if sub else k
+        for k, subs in _METADATA_KEYS.items()
+        for sub in (subs or (None,))
+        if k not in meta or (sub and not (isinstance(meta[k], dict) and sub in meta[k]))
+    ]
+    if missing:
+        raise _corrupt(path, METADATA_FILE, KeyError(", ".join(missing)), "lacks entries")
+    return meta
+
+
+def _read_program(path: str, recorded: dict | None):
+    """The :class:`jax.export.Exported` in ``forward.jaxexport``; :class:`ExportError` naming the
+    file when it is missing, differs from the size and SHA-256 ``metadata.json`` recorded
+    (``recorded``; exports without that entry skip the check) or does not deserialize."""
+    from jax import export as jex
+
+    try:
+        with open(os.path.join(path, PROGRAM_FILE), "rb") as fh:
+            blob = fh.read()
+    except OSError as err:
+        raise _corrupt(path, PROGRAM_FILE, err, "is missing" if isinstance(err, FileNotFoundError) else "cannot be read") from err
+    if isinstance(recorded, dict) and "sha256" in recorded:
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != recorded["sha256"]:
+            why = (
+                f"{len(blob)} bytes with SHA-256 {digest[:12]}..., where {METADATA_FILE} recorded "
+                f"{recorded.get('bytes')} bytes with {recorded['sha256'][:12]}..."
+            )
+            raise _corrupt(path, PROGRAM_FILE, why, "is not the file that was exported")
+    try:
+        return jex.deserialize(bytearray(blob))
+    except Exception as err:  # struct.error, flatbuffers' errors, "Failed to deserialize StableHLO", ...
+        raise _corrupt(path, PROGRAM_FILE, err, f"does not deserialize ({len(blob)} bytes)") from err
 
 
 def load_exported(path) -> ExportedForward:

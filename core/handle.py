@@ -211,7 +211,7 @@ class Nitro:
         return (predict_batch(self, b) for b in batches)
 
     def export(self, path, *, example=None, device_inputs: bool = False, symbolic_batch: bool = True,
-               platforms=None) -> str:
+               platforms=None, overwrite: bool = False) -> str:
         """Write the inference program (``forward`` in inference mode, as ``predict`` runs it) with
         ``jax.export`` to the folder ``path``, with a ``metadata.json``; return ``path``.
 
@@ -221,12 +221,14 @@ class Nitro:
         dimension is symbolic when the model allows it (``symbolic_batch``). ``example``: one
         batch dict, needed when the handle has no data and has predicted nothing. ``metrics`` and
         other host hooks are not part of the program. Refuses (``ExportError``) a ``forward`` with
-        host callbacks and unknown field shapes. See docs/export.md.
+        host callbacks and unknown field shapes, and, before tracing, a ``path`` that is a file, a
+        folder already holding an export (pass ``overwrite=True`` to replace it) or an unwritable
+        location. See docs/export.md.
         """
         from .export import export_nitro
 
         return export_nitro(self, path, example=example, device_inputs=device_inputs,
-                            symbolic_batch=symbolic_batch, platforms=platforms)
+                            symbolic_batch=symbolic_batch, platforms=platforms, overwrite=overwrite)
 
     def history(self) -> MetricHistory:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics)."""

@@ -126,7 +126,11 @@ def train_step(self, models, optimizers, batch):
     logged as train lines (``loss`` becomes the history's ``train_loss``, every
     other ``name`` a ``train_<name>`` column), and a non-finite one stops the run
     as diverged. An experiment defining ``train_step`` defines no ``loss``
-    (``metrics`` reports validation) and uses ``accum = 1``.
+    (``metrics`` reports validation) and uses ``accum = 1``. Every model with an
+    optimizer gets its ``update`` (or ``optimizers.skip(name)``) in the returned
+    ``Optimizers``, else the trace refuses the step naming the model. A model with
+    state reads it as ``optimizers.model_state`` and hands the new one back with
+    ``optimizers.with_model_state(state)``.
     """
 
 @hookspec(firstresult=True)

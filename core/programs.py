@@ -278,24 +278,28 @@ class ProgramSet:
         """The train-step body of an experiment with its own ``train_step`` hook: the same
         signature as the automatic body (``acc`` and ``scale`` unused: ``accum`` is 1), so the
         loop, ``train_block`` and the cache treat both alike. ``model_opts`` is the
-        :class:`~jaxnitro.manual.ModelOptimizers` setup made (``plan.tx``); ``aux`` holds the
-        returned scalars, their names in ``meta["aux_names"]``."""
-        p_def, name = self.param_def, self.cls.__name__
+        :class:`~jaxnitro.manual.ModelOptimizers` setup made (``plan.tx``); the model state
+        travels in the step context (``Optimizers.model_state`` / ``with_model_state``); ``aux``
+        holds the returned scalars, their names in ``meta["aux_names"]``."""
+        p_def, s_def, name = self.param_def, self.state_def, self.cls.__name__
 
         def train_step(p_leaves, s_leaves, o_leaves, dev, batch, acc, scale, hypers):
             batch = with_key(batch)
-            params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+            given = jax.tree_util.tree_unflatten(p_def, p_leaves)
+            model_state = jax.tree_util.tree_unflatten(s_def, s_leaves)
             rules, ema = split_ema(jax.tree_util.tree_unflatten(opt_def, o_leaves), opt)
-            models = eqx.combine(params, self.skeleton.static)
+            models = eqx.combine(given, self.skeleton.static)
             res = self._hook("train_step")(
-                self.view(dev), models, Optimizers(model_opts, rules, hypers),
+                self.view(dev), models, Optimizers(model_opts, rules, hypers, model_state),
                 **self.routes["train_step"].select(batch),
             )
-            params, rules, meta["aux_names"], aux = check_step_result(res, name, p_def, model_opts)
+            params, rules, meta["aux_names"], aux, model_state = check_step_result(
+                res, name, p_def, model_opts, given, s_def
+            )
             if ema is not None:
                 ema = update_ema(ema, params, hypers[opt.layout.ema_index])
             leaves = jax.tree_util.tree_leaves
-            return leaves(params), s_leaves, leaves(join_ema(rules, ema, opt)), aux
+            return leaves(params), leaves(model_state), leaves(join_ema(rules, ema, opt)), aux
 
         return train_step
 

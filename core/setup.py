@@ -287,7 +287,7 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
     hooks = plan.hooks
     manual = "train_step" in hooks
     if manual:
-        check_manual_experiment(type(e).__name__, hooks, settings.accum, state.model_state)
+        check_manual_experiment(type(e).__name__, hooks, settings.accum)
     if "train" in data:
         if "loss" not in hooks and not manual:
             raise TypeError(

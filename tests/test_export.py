@@ -94,7 +94,11 @@ def test_device_values_baked_or_inputs(tmp_path):
     after = n.predict({"x": X[:16]})
     assert not np.array_equal(before, after)
     np.testing.assert_array_equal(as_inputs(x=X[:16], temperature=2.0), after)
-    np.testing.assert_array_equal(baked(x=X[:16], temperature=2.0), before)  # baked: not an input, ignored
+    np.testing.assert_array_equal(baked(x=X[:16]), before)  # baked: set_device after export changes nothing
+    # baked: a Device value passed per call cannot be applied, so it is refused, not ignored
+    with pytest.raises(TypeError, match=r"(?s)Device value\(s\) \['temperature'\] passed to an export that "
+                       r"baked them in \(temperature=0.5.*device_inputs=True"):
+        baked(x=X[:16], temperature=100.0)
 
 
 def test_ema_weights_are_exported(tmp_path):
@@ -215,3 +219,168 @@ def test_fresh_process_loads_without_the_experiment(trained, exported, tmp_path)
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("OK")
+
+
+# -- nothing silent: the destination, a damaged artifact, a conv net bitwise ---------------------
+
+
+def counting_tiny():
+    """A fresh Tiny whose ``forward`` counts its traces (in ``traces``)."""
+    traces = []
+
+    def forward(self, model, state, *, x):
+        traces.append(x.shape)
+        return jax.vmap(model)(x) / self.temperature, state
+
+    return fresh_tiny("Counting", forward=forward), traces
+
+
+def test_the_destination_is_checked_before_tracing(tmp_path):
+    cls, traces = counting_tiny()
+    n = jn.Nitro(cls(), data=DATA, logger=None)
+    before = len(traces)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not an export")
+    cases = [
+        (a_file, r"cannot export to .*a_file: it is an existing file.*Fix: pass a folder path"),
+        (a_file / "below", r"cannot export to .*below: .*a_file is a file.*Fix: choose a path whose parents are folders"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ExportError, match=message):
+            n.export(path)
+    assert len(traces) == before, "the refusal came after tracing forward"
+    assert a_file.read_text() == "not an export"
+
+    first = n.export(tmp_path / "twice")
+    before = len(traces)
+    with pytest.raises(ExportError, match=r"(?s)cannot export to .*twice: the folder already holds an export "
+                       r"\(forward.jaxexport, metadata.json\).*overwrite=True"):
+        n.export(tmp_path / "twice")
+    assert len(traces) == before
+    n.set_device(temperature=3.0)
+    jn.load_exported(n.export(first, overwrite=True))  # replaced: the new Device value is baked
+    assert jn.load_exported(first).metadata["device"]["values"]["temperature"]["value"] == 3.0
+    assert sorted(os.listdir(first)) == sorted([METADATA_FILE, PROGRAM_FILE])  # no .partial left
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a read-only folder")
+def test_an_unwritable_destination_is_refused_before_tracing(tmp_path):
+    cls, traces = counting_tiny()
+    n = jn.Nitro(cls(), data=DATA, logger=None)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    before = len(traces)
+    try:
+        with pytest.raises(ExportError, match=r"(?s)cannot export to .*locked/e: the folder .*locked cannot be written.*Fix"):
+            n.export(locked / "e")
+    finally:
+        locked.chmod(0o700)
+    assert len(traces) == before
+
+
+def damaged_copies(src, tmp_path):
+    """``{name: folder}``: copies of the export ``src``, each damaged one way."""
+    import shutil
+
+    program = (src / PROGRAM_FILE).read_bytes()
+    meta = (src / METADATA_FILE).read_text()
+    mid = len(program) // 2
+    damage = {
+        "truncated_program": {PROGRAM_FILE: program[:mid]},
+        "flipped_byte": {PROGRAM_FILE: program[:mid] + bytes([program[mid] ^ 0xFF]) + program[mid + 1 :]},
+        "empty_program": {PROGRAM_FILE: b""},
+        "truncated_metadata": {METADATA_FILE: meta[: len(meta) // 2].encode()},
+        "missing_program": {PROGRAM_FILE: None},
+        "missing_metadata": {METADATA_FILE: None},
+    }
+    out = {}
+    for name, files in damage.items():
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        for file, data in files.items():
+            (dst / file).unlink() if data is None else (dst / file).write_bytes(data)
+        out[name] = dst
+    return out
+
+
+def test_a_damaged_export_is_one_error_naming_the_file(exported, tmp_path):
+    from pathlib import Path
+
+    copies = damaged_copies(Path(exported), tmp_path)
+    expect = {
+        "truncated_program": (PROGRAM_FILE, "is not the file that was exported"),
+        "flipped_byte": (PROGRAM_FILE, "is not the file that was exported"),
+        "empty_program": (PROGRAM_FILE, "is not the file that was exported"),
+        "truncated_metadata": (METADATA_FILE, "cannot be read as JSON"),
+        "missing_program": (PROGRAM_FILE, "is missing"),
+        "missing_metadata": (METADATA_FILE, "is missing"),
+    }
+    for name, folder in copies.items():
+        file, what = expect[name]
+        with pytest.raises(ExportError) as info:
+            jn.load_exported(folder)
+        msg = str(info.value)
+        assert f"{folder / file} {what}" in msg and "export it again" in msg and "overwrite=True" in msg, (name, msg)
+    with pytest.raises(ExportError, match=r"cannot load the export at .*nowhere: no such folder"):
+        jn.load_exported(tmp_path / "nowhere")
+    with pytest.raises(ExportError, match=r"cannot load the export at .*metadata.json: it is a file"):
+        jn.load_exported(Path(exported) / METADATA_FILE)
+
+
+def test_a_program_that_fails_to_deserialize_at_the_call_names_the_file(exported, tmp_path):
+    """Damage the checksum cannot see (metadata.json rewritten to match): XLA's "Failed to
+    deserialize StableHLO" at the first call becomes an ExportError naming the file."""
+    import hashlib
+    from pathlib import Path
+
+    folder = damaged_copies(Path(exported), tmp_path)["flipped_byte"]
+    blob = (folder / PROGRAM_FILE).read_bytes()
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    meta["program"] = {"file": PROGRAM_FILE, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (folder / METADATA_FILE).write_text(json.dumps(meta))
+    try:
+        f = jn.load_exported(folder)
+    except ExportError as err:  # flatbuffers saw it at load: named there
+        assert f"{folder / PROGRAM_FILE} does not deserialize" in str(err)
+        return
+    with pytest.raises(ExportError, match=r"(?s)cannot run: XLA failed to deserialize the StableHLO program in "
+                       r".*forward.jaxexport.*export it again"):
+        f(x=X[:3])
+
+
+class ConvNet(__import__("equinox").Module):
+    conv: object
+    head: object
+
+    def __init__(self, key):
+        import equinox as eqx
+
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 4, 3, key=k1)
+        self.head = eqx.nn.Linear(4 * 6 * 6, 4, key=k2)
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.conv(x)).reshape(-1))
+
+
+def test_a_conv_net_export_is_bitwise_equal_to_predict(tmp_path):
+    """XLA folds constant (baked) weights into a convolution and rounds differently from
+    predict's program, which takes them as inputs (measured 1.2e-7 here); the export's
+    optimization barrier keeps them opaque, so the two agree bit for bit."""
+    images = np.random.default_rng(0).normal(size=(16, 1, 8, 8)).astype(np.float32)
+
+    def build_model(self, key):
+        return ConvNet(key)
+
+    def forward(self, model, state, *, x):
+        return jax.vmap(model)(x) / self.temperature, state
+
+    n = jn.Nitro(fresh_tiny("TinyConv", build_model=build_model, forward=forward)(temperature=0.7),
+                 data={}, logger=None)
+    want = n.predict({"x": images})
+    for symbolic in (True, False):
+        f = jn.load_exported(n.export(tmp_path / f"conv-{symbolic}", symbolic_batch=symbolic))
+        for k in (16, 5):
+            np.testing.assert_array_equal(f(x=images[:k]), n.predict({"x": images[:k]}))
+        np.testing.assert_array_equal(f(x=images), want)
