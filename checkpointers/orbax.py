@@ -43,6 +43,7 @@ import numpy as np
 
 import jaxnitro
 from jaxnitro.experiment import fields_of
+from jaxnitro.history import best_positions
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.knobs import require_monitor_and_val
 from jaxnitro.optim import ema_of, rule_state_of
@@ -283,14 +284,22 @@ class _NewestRunEnd:
         return [i == len(checkpoints) - 1 and not _is_epoch_end(c.metrics) for i, c in enumerate(checkpoints)]
 
 
-def _rank(name: str, mode: str):
-    worst = -math.inf if mode == "max" else math.inf
+@attrs.define
+class _BestEpochEnds:
+    """orbax preservation policy: the ``n`` epoch-end checkpoints whose monitored value is best,
+    ranked by :func:`jaxnitro.history.best_positions` (the earliest of tied epochs first: the
+    history's starred epoch is the one kept and loaded), not by orbax's ``BestN`` (which keeps
+    the latest of a tie)."""
 
-    def rank(metrics) -> float:
-        value = metrics.get(name) if _is_epoch_end(metrics) else None
-        return worst if value is None or not math.isfinite(value) else float(value)
+    name: str
+    mode: str
+    n: int
 
-    return rank
+    def should_preserve(self, checkpoints, *, context):
+        ends = [i for i, c in enumerate(checkpoints) if _is_epoch_end(c.metrics)]
+        values = [checkpoints[i].metrics.get(self.name) for i in ends]
+        keep = {ends[p] for p in best_positions(values, self.mode, self.n)}
+        return [i in keep for i in range(len(checkpoints))]
 
 
 @attrs.define
@@ -334,13 +343,7 @@ def _policy_of(policies, monitor):
         if isinstance(p, Last):
             parts.append(_LastEpochEnds(p.n))
         elif monitor is not None:
-            name, mode = monitor
-            parts.append(
-                _ocp().checkpoint_managers.BestN(
-                    get_metric_fn=_rank(name, mode), reverse=mode == "min", n=p.n,
-                    keep_checkpoints_without_metrics=False,
-                )
-            )
+            parts.append(_BestEpochEnds(monitor[0], monitor[1], p.n))
     return _ocp().checkpoint_managers.AnyPreservationPolicy(parts)
 
 
@@ -925,8 +928,8 @@ def _select(folder: _RunFolder, which, monitor, purpose, spec, run_dir) -> list[
                 f"run without a `val` split records only train_loss). Name a checkpoint with "
                 f"('latest', 'last') or a step, or train with a `val` split that reports {name!r}."
             )
-        scored.sort(key=lambda vs: (vs[0] if mode == "max" else -vs[0], vs[1]))
-        chosen = sorted(s for _, s in scored[-n:])
+        # the history's rule of "best" (the earliest of tied epochs first), in step order
+        chosen = sorted(scored[p][1] for p in best_positions([v for v, _ in scored], mode, n))
     if not chosen:
         raise ValueError(
             f"jaxnitro: `{purpose}={_short(spec)}` selects no checkpoint in run {folder.path.name!r} (it "
