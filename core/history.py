@@ -487,10 +487,7 @@ class MetricHistory:
     def _select_columns(self, names: Sequence[str]) -> list[str]:
         unknown = [n for n in names if n not in self._columns]
         if unknown:
-            raise KeyError(
-                f"MetricHistory: no column {', '.join(map(repr, unknown))}; "
-                f"the columns are {', '.join(self._columns)}."
-            )
+            raise KeyError(_no_column(unknown, self._columns))
         wanted = {"epoch", "step", *names}
         return [c for c in self._columns if c in wanted]
 
@@ -507,9 +504,7 @@ class MetricHistory:
         are identifiers and not methods of this class.
         """
         if name not in self._columns:
-            raise KeyError(
-                f"MetricHistory: no column {name!r}; the columns are {', '.join(self._columns)}."
-            )
+            raise KeyError(_no_column([name], self._columns))
         values = [r[name] for r in self._rows]
         if self._scalar[name]:
             if not values:
@@ -533,10 +528,7 @@ class MetricHistory:
             raise AttributeError(name) from None
         if name in columns:
             return self.column(name)
-        raise AttributeError(
-            f"MetricHistory has no column or attribute {name!r}; the columns are "
-            f"{', '.join(columns)}."
-        )
+        raise AttributeError(_no_column([name], columns, "MetricHistory has no column or attribute"))
 
     def __dir__(self) -> list[str]:
         names = set(super().__dir__())
@@ -650,6 +642,36 @@ class MetricHistory:
 
 # --------------------------------------------------------------------------
 # helpers
+
+
+def close_columns(name: str, columns: Sequence[str]) -> list[str]:
+    """The columns ``name`` probably meant: spelled alike (``difflib``), or containing it or
+    contained in it (``"loss"`` -> ``"train_loss"``), best first."""
+    import difflib
+
+    lowered = name.lower()
+    near = difflib.get_close_matches(name, list(columns), n=3, cutoff=0.6)
+    near += [c for c in columns if c not in ("epoch", "step") and (lowered in c.lower() or c.lower() in lowered)]
+    return list(dict.fromkeys(c for c in near if c != name))
+
+
+def _no_column(unknown: Sequence[str], columns: Sequence[str], opening: str = "MetricHistory: no column") -> str:
+    """The refusal of unknown column names: the close matches, then every column."""
+    hints = []
+    for name in unknown:
+        close = close_columns(name, columns)
+        if close:
+            hints.append(f"for {name!r} did you mean {' or '.join(map(repr, close))}?")
+    text = f"{opening} {', '.join(map(repr, unknown))}"
+    if hints:
+        text += "; " + "; ".join(hints)
+    text += f" The columns are {', '.join(columns)}."
+    if "loss" in unknown and "loss" not in columns:
+        text += (
+            " (`train_loss` is the epoch's training loss; a validation loss is a column only when "
+            "`metrics` returns one, or, without a `metrics` hook, as `loss`.)"
+        )
+    return text
 
 
 def _slice_text(s: slice) -> str:

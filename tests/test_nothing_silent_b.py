@@ -93,3 +93,40 @@ def test_tied_epochs_history_checkpointer_and_weights_agree(tmp_path):
     assert "checkpoint step 6 (epoch 1, best score=1)" in best.plan.weights_from
     resumed = jn.Nitro(Tied(), run_dir=tmp_path, resume="auto", restore_best=True, **QUIET)
     assert (resumed.step, resumed.epoch) == (6, 1)
+
+
+# == 21: history columns and the title line =====================================================
+
+
+def rows(n=3):
+    return [{"epoch": e, "step": 10 * e, "train_loss": 1.0 / e, "acc": 0.5 + e / 10} for e in range(1, n + 1)]
+
+
+def test_an_unknown_column_names_the_close_matches():
+    h = jn.MetricHistory(rows(), monitor=("acc", "max"))
+    with pytest.raises(KeyError) as err:
+        h["acc", "loss"]
+    msg = str(err.value)
+    assert "no column 'loss'; for 'loss' did you mean 'train_loss'?" in msg
+    assert "The columns are epoch, step, train_loss, acc." in msg and "`train_loss` is the epoch's training loss" in msg
+    with pytest.raises(KeyError, match=r"for 'accuracy' did you mean 'acc'\?"):
+        h.column("accuracy")
+    with pytest.raises(AttributeError, match=r"no column or attribute 'trainloss'; for 'trainloss' did you mean 'train_loss'\?"):
+        h.trainloss
+    assert h["acc", "train_loss"].columns == ["epoch", "step", "train_loss", "acc"]  # the docs' spelling now
+
+
+def test_the_title_line_fits_the_width_the_table_is_drawn_for(tmp_path, monkeypatch):
+    deep = os.path.join(str(tmp_path), *["a-rather-long-folder-name"] * 6, "20261129-202146-1")
+    h = jn.MetricHistory(rows(), monitor=("acc", "max"), title="history of MnistMLP", run_dir=deep, total_epochs=12)
+    for width in (70, 80, 100):
+        lines = h.table(width=width).splitlines()
+        assert max(len(line) for line in lines) <= width, lines
+        assert lines[0].startswith("history of MnistMLP  (…/") and "20261129-202146-1, 3 epochs, 12 planned)" in lines[0]
+    assert h.table(width=60).splitlines()[0] == "history of MnistMLP  (3 epochs, 12 planned)"  # no room for it
+    assert h.table(width=30).splitlines()[0] == "history of MnistMLP  (3 epoch…"  # nor for the line: cut
+    empty = jn.MetricHistory([], title="history of MnistMLP", run_dir=deep)
+    assert len(empty.table(width=50)) <= 50 and "no epochs yet" in empty.table(width=50)
+    monkeypatch.chdir(tmp_path)  # inside the working directory: the relative path
+    near = jn.MetricHistory(rows(), title="history", run_dir=os.path.join(str(tmp_path), "runs", "20261129-202146-1"))
+    assert near.table(width=100).splitlines()[0] == "history  (runs/20261129-202146-1, 3 epochs)"
