@@ -130,3 +130,72 @@ def test_the_title_line_fits_the_width_the_table_is_drawn_for(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)  # inside the working directory: the relative path
     near = jn.MetricHistory(rows(), title="history", run_dir=os.path.join(str(tmp_path), "runs", "20261129-202146-1"))
     assert near.table(width=100).splitlines()[0] == "history  (runs/20261129-202146-1, 3 epochs)"
+
+
+# == 8: an average of fewer checkpoints than asked ===============================================
+
+
+def test_an_average_of_fewer_checkpoints_than_asked_warns_with_both_counts(tmp_path):
+    rec = Recorder()
+    with run_scoped([rec]):
+        n = jn.train(Tiny(max_epochs=3), run_dir=tmp_path, checkpointer=jn.Checkpointer(keep=jn.Last(2)), **QUIET)
+    assert steps_kept(n.run_dir) == [12, 18]
+    with pytest.warns(RuntimeWarning) as caught:
+        avg = jn.Nitro(Tiny(), run_dir=tmp_path, weights=("latest", jn.Average(jn.Last(5))), **QUIET)
+    (msg,) = [str(w.message) for w in caught if "average" in str(w.message)]
+    assert "asks for an average of 5 checkpoints, but run " in msg and "has only 2 to choose from (epochs [2, 3]" in msg
+    assert "averaging those 2" in msg and "jn.Checkpointer(keep=(jn.Last(5), ...))" in msg and "jn.Average(jn.Last(2))" in msg
+    expected = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, rec.params[2], rec.params[3])
+    for got, want in zip(leaves(avg.params), leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asking for what there is: no word
+        jn.Nitro(Tiny(), run_dir=tmp_path, weights=("latest", jn.Average(jn.Last(2))), **QUIET)
+
+
+# == 9: resume="auto" and another experiment's runs; a changed optimizer ==========================
+
+
+@jn.experiment
+class Other(Tiny):
+    """Another experiment class sharing Tiny's model."""
+
+
+def test_resume_auto_continues_the_newest_run_of_this_experiment(tmp_path):
+    ckpt = {"checkpointer": jn.Checkpointer(keep=jn.Last(1)), **QUIET}
+    mine = jn.train(Tiny(max_epochs=1), run_dir=tmp_path, **ckpt)
+    wider = jn.train(Tiny(max_epochs=1, width=8), run_dir=tmp_path, **ckpt)
+    other = jn.train(Other(max_epochs=1), run_dir=tmp_path, **ckpt)
+    with pytest.warns(RuntimeWarning, match="passed over newer runs that belong to another experiment") as caught:
+        resumed = jn.Nitro(Tiny(), run_dir=tmp_path, resume="auto", **ckpt)
+    assert resumed.plan.resumed.run_folder == mine.run_dir and (resumed.step, resumed.epoch) == (6, 1)
+    (msg,) = [str(w.message) for w in caught if "passed over" in str(w.message)]
+    assert f"continues run {os.path.basename(mine.run_dir)}" in msg
+    assert f"{os.path.basename(wider.run_dir)} (other GraphConst values: width: this experiment 16, checkpoint 8)" in msg
+    assert f"{os.path.basename(other.run_dir)} (saved by experiment class `test_nothing_silent_b.Other`" in msg
+    # no run of this experiment at all: a fresh start whose warning names what is there
+    with pytest.warns(RuntimeWarning, match=r"resume='auto' found no checkpoint.*belong to other experiments") as caught:
+        fresh = jn.Nitro(Tiny(width=4), run_dir=tmp_path, resume="auto", **ckpt)
+    assert fresh.step == 0
+    # naming another experiment's checkpoint: the refusal names `resume=` and the fix
+    with pytest.raises(ValueError, match=r"^jaxnitro: `resume=`: the checkpoint .* saved by experiment class .*Other.*"
+                                         r"name a run of .*Tiny.* in `resume=`"):
+        jn.Nitro(Tiny(), run_dir=tmp_path, resume=other.run_dir, **ckpt)
+    with pytest.raises(ValueError, match=r"(?s)^jaxnitro: `resume=` names weights of a model with a different tree.*"
+                                         r"width: this experiment 16, checkpoint 8.*without `resume=`"):
+        jn.Nitro(Tiny(), run_dir=tmp_path, resume=wider.run_dir, **ckpt)
+
+
+def test_resume_after_changing_the_optimizer_says_so_not_corrupt(tmp_path):
+    import optax
+
+    jn.train(Tiny(max_epochs=1), run_dir=tmp_path, checkpointer=jn.Checkpointer(), **QUIET)
+    Sgd = jn.experiment(type("Tiny", (Tiny,), {"optimizer": lambda self, group: optax.sgd}))
+    with pytest.raises(ValueError) as err:
+        jn.Nitro(Sgd(), run_dir=tmp_path, resume="auto", **QUIET)
+    msg = str(err.value)
+    assert "corrupt" not in msg
+    assert "the optimizer state saved in " in msg and "has another structure than this handle's optimizer" in msg
+    assert "The checkpoint itself is readable" in msg and "Resume with `restore_optimizer=False`" in msg
+    resumed = jn.Nitro(Sgd(), run_dir=tmp_path, resume="auto", restore_optimizer=False, **QUIET)
+    assert (resumed.step, resumed.epoch) == (6, 1) and "fresh optimizer state" in resumed.plan.weights_from
