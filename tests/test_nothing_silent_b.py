@@ -199,3 +199,86 @@ def test_resume_after_changing_the_optimizer_says_so_not_corrupt(tmp_path):
     assert "The checkpoint itself is readable" in msg and "Resume with `restore_optimizer=False`" in msg
     resumed = jn.Nitro(Sgd(), run_dir=tmp_path, resume="auto", restore_optimizer=False, **QUIET)
     assert (resumed.step, resumed.epoch) == (6, 1) and "fresh optimizer state" in resumed.plan.weights_from
+
+
+# == 19: a re-run notebook cell compiles nothing ===================================================
+
+CELL = '''
+import jax, jax.numpy as jnp, equinox as eqx, numpy as np
+import jaxnitro as jn
+from jaxnitro import GraphConst
+from tiny import tiny_data, N_FEATURES, N_CLASSES
+
+class Net(eqx.Module):          # the model class lives in the cell too, as in a notebook
+    l1: eqx.nn.Linear
+
+    def __init__(self, width, key):
+        self.l1 = eqx.nn.Linear(N_FEATURES, N_CLASSES, key=key)
+
+    def __call__(self, x):
+        return self.l1(x) * 1.0
+
+@jn.experiment
+class Cell:
+    width: GraphConst[int] = 16
+    max_epochs: int = 1
+
+    def build_data(self, dist):
+        return tiny_data()
+
+    def build_model(self, key):
+        return Net(self.width, key)
+
+    def forward(self, model, state, *, x):
+        return self.scaled(jax.vmap(model)(x)), state
+
+    def scaled(self, logits):
+        return logits * 1.0
+
+    def loss(self, logits, *, label):
+        return -jnp.mean(jnp.sum(label * jax.nn.log_softmax(logits), -1))
+
+    def metrics(self, logits, *, y):
+        return {"acc": (float(np.sum(np.argmax(logits, -1) == y)), len(y))}
+
+    def monitor(self):
+        return ("acc", "max")
+'''
+
+
+def run_cell(source: str, module: str, tmp_path):
+    """Execute ``source`` as a notebook cell of module ``module`` and train its ``Cell``;
+    returns (the misses that training added, the handle)."""
+    notebook = {"__name__": module}
+    exec(source, notebook)  # noqa: S102 - a notebook cell
+    before = jn.cache_stats().misses
+    n = jn.train(notebook["Cell"](), run_dir=tmp_path, **QUIET)
+    assert n.status == "done"
+    return jn.cache_stats().misses - before, n
+
+
+def test_a_rerun_cell_and_a_host_metric_edit_compile_nothing(tmp_path):
+    first, n1 = run_cell(CELL, "nb_silent_b_rerun", tmp_path)
+    assert first == 2  # train_step, forward
+    again, n2 = run_cell(CELL, "nb_silent_b_rerun", tmp_path)  # a new class object, the same source
+    assert again == 0 and type(n2.experiment) is not type(n1.experiment)
+    assert same(n2.params, n1.params) and n2.rows == n1.rows
+    host_edit = CELL.replace('"acc": (float(np.sum(np.argmax(logits, -1) == y)), len(y))',
+                             '"acc": (float(np.sum(np.argmax(logits, -1) == y)), len(y)), "n": (len(y), "sum")')
+    edited, n3 = run_cell(host_edit, "nb_silent_b_rerun", tmp_path)
+    assert edited == 0 and n3.rows[-1]["n"] == 40  # the new host metric is there, nothing compiled
+    monitor_edit = CELL.replace('return ("acc", "max")', 'return ("acc", "min")')
+    assert run_cell(monitor_edit, "nb_silent_b_rerun", tmp_path)[0] == 0
+
+
+@pytest.mark.parametrize("edit", [
+    ("return self.l1(x) * 1.0", "return self.l1(x) * 2.0"),  # the model class's __call__
+    ("return logits * 1.0", "return logits * 3.0"),  # a helper method forward calls
+    ("label * jax.nn.log_softmax", "0.5 * label * jax.nn.log_softmax"),  # the loss
+])
+def test_a_traced_edit_in_a_rerun_cell_compiles_anew(tmp_path, edit):
+    module = f"nb_silent_b_traced_{abs(hash(edit)) % 10**8}"
+    _, n1 = run_cell(CELL, module, tmp_path)
+    misses, n2 = run_cell(CELL.replace(*edit), module, tmp_path)
+    assert misses >= 1  # at least the train step: a program of the old code would be wrong
+    assert n2.rows[-1]["train_loss"] != n1.rows[-1]["train_loss"]
