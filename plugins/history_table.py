@@ -14,6 +14,8 @@ It answers:
   last rows, writes ``⋮`` for each gap and says in a footer which selection
   shows every row; columns wider than ``width`` are dropped from the right
   (the monitored metric last) and named in a footer. The best row is starred.
+  The title line fits ``width`` too: the run folder relative to the working
+  directory when inside it, its leading folders elided with ``…`` when too long.
 * ``"html"``: every row as an HTML table (``_repr_html_`` in a notebook); the
   best row bold and starred.
 * ``"csv"``: the scalar columns written to ``options["path"]`` (header row
