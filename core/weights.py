@@ -38,6 +38,7 @@ __all__ = [
     "tree_listing",
     "tree_diff",
     "abstract",
+    "incompatibility",
 ]
 
 
