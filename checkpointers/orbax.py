@@ -43,10 +43,11 @@ import numpy as np
 
 import jaxnitro
 from jaxnitro.experiment import fields_of
+from jaxnitro.history import best_positions
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.knobs import require_monitor_and_val
 from jaxnitro.optim import ema_of, rule_state_of
-from jaxnitro.weights import NoCheckpointError, WeightsRecord, from_jsonable, jsonable, tree_listing
+from jaxnitro.weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
 
 __all__ = ["Checkpointer", "Best", "Last", "Average", "FORMAT"]
 
@@ -311,14 +312,22 @@ class _NewestRunEnd:
         return [i == len(checkpoints) - 1 and not _is_epoch_end(c.metrics) for i, c in enumerate(checkpoints)]
 
 
-def _rank(name: str, mode: str):
-    worst = -math.inf if mode == "max" else math.inf
+@attrs.define
+class _BestEpochEnds:
+    """orbax preservation policy: the ``n`` epoch-end checkpoints whose monitored value is best,
+    ranked by :func:`jaxnitro.history.best_positions` (the earliest of tied epochs first: the
+    history's starred epoch is the one kept and loaded), not by orbax's ``BestN`` (which keeps
+    the latest of a tie)."""
 
-    def rank(metrics) -> float:
-        value = metrics.get(name) if _is_epoch_end(metrics) else None
-        return worst if value is None or not math.isfinite(value) else float(value)
+    name: str
+    mode: str
+    n: int
 
-    return rank
+    def should_preserve(self, checkpoints, *, context):
+        ends = [i for i, c in enumerate(checkpoints) if _is_epoch_end(c.metrics)]
+        values = [checkpoints[i].metrics.get(self.name) for i in ends]
+        keep = {ends[p] for p in best_positions(values, self.mode, self.n)}
+        return [i in keep for i in range(len(checkpoints))]
 
 
 @attrs.define
@@ -362,13 +371,7 @@ def _policy_of(policies, monitor):
         if isinstance(p, Last):
             parts.append(_LastEpochEnds(p.n))
         elif monitor is not None:
-            name, mode = monitor
-            parts.append(
-                _ocp().checkpoint_managers.BestN(
-                    get_metric_fn=_rank(name, mode), reverse=mode == "min", n=p.n,
-                    keep_checkpoints_without_metrics=False,
-                )
-            )
+            parts.append(_BestEpochEnds(monitor[0], monitor[1], p.n))
     return _ocp().checkpoint_managers.AnyPreservationPolicy(parts)
 
 
@@ -977,8 +980,8 @@ def _select(folder: _RunFolder, which, monitor, purpose, spec, run_dir) -> list[
                 f"run without a `val` split records only train_loss). Name a checkpoint with "
                 f"('latest', 'last') or a step, or train with a `val` split that reports {name!r}."
             )
-        scored.sort(key=lambda vs: (vs[0] if mode == "max" else -vs[0], vs[1]))
-        chosen = sorted(s for _, s in scored[-n:])
+        # the history's rule of "best" (the earliest of tied epochs first), in step order
+        chosen = sorted(scored[p][1] for p in best_positions([v for v, _ in scored], mode, n))
     if not chosen:
         raise ValueError(
             f"jaxnitro: `{purpose}={_short(spec)}` selects no checkpoint in run {folder.path.name!r} (it "
@@ -1053,22 +1056,17 @@ def _restore_fn(folder: _RunFolder, steps: list[int]):
 def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
     """Find the checkpoint(s) ``spec`` names under ``run_dir``; describe them as a WeightsRecord."""
     folder_path, which = _parse(spec, run_dir, purpose)
+    notes = []
     if folder_path is None:  # an explicit checkpoint folder
         folder, step = _checkpoint_folder(Path(which), run_dir)
         steps, which = [step], "path"
-    elif spec == "auto":  # the newest run that has a checkpoint to continue from
-        for path in _runs(run_dir):
-            folder = _RunFolder(path)
-            try:
-                steps = _select(folder, which, monitor, purpose, spec, run_dir)
-                break
-            except NoCheckpointError:
-                continue
-        else:
-            raise _not_found("no run under run_dir has a checkpoint to continue from", run_dir)
+    elif purpose == "resume" and (spec in ("auto", "latest") or (isinstance(spec, tuple) and spec[0] == "latest")):
+        folder, steps, notes = _newest_compatible(run_dir, which, experiment, monitor, purpose, spec)
     else:
         folder = _RunFolder(folder_path)
         steps = _select(folder, which, monitor, purpose, spec, run_dir)
+    if isinstance(which, Average) and len(steps) < which.of.n:
+        notes.append(_fewer_note(spec, purpose, which, folder, steps))
     meta = folder.meta(steps[-1])
     items = tuple(i for i in meta.get("items", ("params",)) if i != "meta")
     if len(steps) > 1:  # the average's items must be in every checkpoint
@@ -1086,4 +1084,42 @@ def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
         items=items,
         restore=_restore_fn(folder, steps),
         newest_in_run=continues,
+        notes=tuple(notes),
+    )
+
+
+def _newest_compatible(run_dir, which, experiment, monitor, purpose, spec):
+    """``(folder, steps, notes)``: the newest run that ``experiment`` can continue (same experiment
+    class, same GraphConst values: :func:`jaxnitro.weights.incompatibility`) and has a checkpoint
+    ``which`` selects; ``notes`` names the newer runs passed over as another experiment's."""
+    skipped = []
+    for path in _runs(run_dir):
+        folder = _RunFolder(path)
+        try:
+            steps = _select(folder, which, monitor, purpose, spec, run_dir)
+        except NoCheckpointError:
+            continue
+        why = incompatibility(experiment, folder.meta(steps[-1]))
+        if why is None:
+            notes = [] if not skipped else [
+                f"jaxnitro: `resume={_short(spec)}` continues run {path.name}, the newest run of this experiment; "
+                f"it passed over newer runs that belong to another experiment: {'; '.join(skipped)}. To "
+                f"continue one of those, build the handle with its experiment class and GraphConst values."
+            ]
+            return folder, steps, notes
+        skipped.append(f"{path.name} ({why})")
+    passed = f"; the runs there belong to other experiments: {'; '.join(skipped)}" if skipped else ""
+    raise _not_found(f"no run under run_dir has a checkpoint of this experiment to continue from{passed}", run_dir)
+
+
+def _fewer_note(spec, purpose, which, folder, steps) -> str:
+    """The warning of an average of fewer checkpoints than ``which`` asks for."""
+    n, kind = which.of.n, type(which.of).__name__
+    epochs = [folder.meta(s).get("epoch") for s in steps]
+    return (
+        f"jaxnitro: `{purpose}={_short(spec)}` asks for an average of {n} checkpoints, but run "
+        f"{folder.path.name} has only {len(steps)} to choose from (epochs {epochs}; its checkpointer kept "
+        f"no more): averaging those {len(steps)}. To average {n}, train with a checkpointer that keeps "
+        f"them (`jn.Checkpointer(keep=(jn.{kind}({n}), ...))`); to mean {len(steps)}, ask for "
+        f"`jn.Average(jn.{kind}({len(steps)}))`."
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import threading
 import types
 import weakref
@@ -37,6 +38,9 @@ __all__ = [
     "clear_cache",
     "Program",
     "stable_key",
+    "experiment_key",
+    "traced_class_key",
+    "type_key",
     "enable_persistent_cache",
     "CACHE_ENV",
 ]
@@ -96,13 +100,21 @@ def stable_key(obj):
     * an experiment class by its content (:func:`class_key`): its name, the code
       and values of its members and its bases', and its fields, so the same class
       defined again (a notebook cell re-run) finds its programs in the cache;
+    * another class by :func:`type_key`: by content when it is defined where it cannot be
+      imported from (a notebook cell or script's ``__main__``, a function, ``exec``: a
+      model class next to the experiment), else by identity;
+    * a ``PyTreeDef`` (a model's or an optimizer state's structure) node by node, its node
+      types by :func:`type_key` and its node data by :func:`stable_key`, so a model
+      class defined again gives an equal structure;
     * other hashable objects by themselves; anything else by identity (a new
       object then means a new program, never a wrong one).
     """
     if isinstance(obj, type):
         if hasattr(obj, "__jaxnitro_fields__"):
             return class_key(obj)
-        return obj
+        return type_key(obj)
+    if isinstance(obj, jax.tree_util.PyTreeDef):
+        return _treedef_key(obj)
     if hasattr(obj, "shape") and hasattr(obj, "dtype"):
         import hashlib
 
@@ -136,11 +148,24 @@ def _guarded(obj, make):
 
 
 def _function_key(fn) -> tuple:
-    cells = tuple(stable_key(c.cell_contents) for c in (fn.__closure__ or ()) if _filled(c))
+    cells = tuple(
+        _cell_key(name, c) for name, c in zip(fn.__code__.co_freevars, fn.__closure__ or ()) if _filled(c)
+    )
     defaults = tuple(stable_key(d) for d in (fn.__defaults__ or ()))
     kwdefaults = tuple(sorted((k, stable_key(v)) for k, v in (fn.__kwdefaults__ or {}).items()))
     return ("function", fn.__module__, fn.__qualname__, fn.__code__, defaults, kwdefaults, cells,
             _globals_key(fn))
+
+
+def _cell_key(name: str, cell):
+    """A closure cell's key. A method's ``__class__`` cell (``super()``) holding an experiment
+    class is keyed by the class's name and fields only (:func:`experiment_key`): the members
+    a program can reach are keyed by the program (:func:`traced_class_key`), and keying the
+    whole class here would make an edit of a host-only hook recompile it."""
+    value = cell.cell_contents
+    if name == "__class__" and isinstance(value, type) and hasattr(value, "__jaxnitro_fields__"):
+        return ("class cell", experiment_key(value))
+    return stable_key(value)
 
 
 def _filled(cell) -> bool:
@@ -207,23 +232,155 @@ def class_key(cls) -> tuple:
     return key
 
 
-def _class_key(cls) -> tuple:
+def _class_key(cls, skip: frozenset = frozenset()) -> tuple:
     parts = []
     for klass in cls.__mro__[:-1]:
         members = []
         for name, value in vars(klass).items():
-            if name.startswith("__") and name.endswith("__"):
+            if name.startswith("__") and name.endswith("__") or name in skip:
                 continue
             if isinstance(value, (types.MemberDescriptorType, types.GetSetDescriptorType)):
                 continue
             members.append((name, _member_key(value)))
         kept = vars(klass).get("__jaxnitro_knob_methods__", {})
-        members += [(f"knob method {n}", _member_key(v)) for n, v in kept.items()]
+        members += [(f"knob method {n}", _member_key(v)) for n, v in kept.items() if n not in skip]
         parts.append((klass.__module__, klass.__qualname__, tuple(sorted(members, key=lambda m: m[0]))))
-    fields = tuple(
+    return ("experiment class", tuple(parts), _fields_key(cls))
+
+
+def _fields_key(cls) -> tuple:
+    return tuple(
         (name, repr(info.marker), repr(info.inner_type)) for name, info in cls.__jaxnitro_fields__.items()
     )
-    return ("experiment class", tuple(parts), fields)
+
+
+def experiment_key(cls) -> tuple:
+    """An experiment class's module, name and fields (name, marker, type): the first element of
+    every program key (:mod:`jaxnitro.programs`); what the programs' code can reach of the
+    class is keyed by :func:`traced_class_key`."""
+    return ("experiment", cls.__module__, cls.__qualname__, _fields_key(cls))
+
+
+_traced_keys: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
+
+
+def traced_class_key(cls, traced, host_names) -> tuple:
+    """What a program traced from the functions ``traced`` can depend on of experiment class
+    ``cls``: :func:`class_key` without the members named in ``host_names`` (the hooks and
+    run-knob methods the framework calls on the host: ``metrics`` kept on the host,
+    ``finalize_metrics``, ``build_data``, ``monitor``, ...) that the traced code does not
+    name. So editing such a hook, or re-running a cell with it edited, compiles nothing,
+    while any other member (a helper the code may call by a path no scan sees) still counts.
+
+    Names are collected from the code of ``traced``, of the code nested in it, of the
+    functions in its closures and of the functions of the same module its globals name,
+    attribute names and string constants (``getattr(self, "name")``) alike. Computed once
+    per class object and set of skipped names, like :func:`class_key`.
+    """
+    reached = set()
+    for fn in traced:
+        _reach(fn, reached, set())
+    skip = frozenset(n for n in host_names if n not in reached)
+    cached = _traced_keys.setdefault(cls, {})
+    key = cached.get(skip)
+    if key is None:
+        key = _guarded(cls, lambda c: _class_key(c, skip))
+        if not isinstance(key, tuple) or key[0] != "cycle":
+            cached[skip] = key
+    return key
+
+
+def _reach(fn, names: set, seen: set) -> None:
+    """Add to ``names`` every name ``fn``'s code can use (see :func:`traced_class_key`)."""
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    if not inspect.isfunction(fn) or id(fn) in seen:
+        return
+    seen.add(id(fn))
+    names |= _names(fn.__code__) | _strings(fn.__code__)
+    for cell in fn.__closure__ or ():
+        if _filled(cell):
+            _reach(cell.cell_contents, names, seen)
+    g = fn.__globals__
+    for name in _names(fn.__code__):
+        value = g.get(name)
+        if inspect.isfunction(value) and value.__globals__ is g:
+            _reach(value, names, seen)
+
+
+def _strings(code) -> set:
+    out = {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            out |= _strings(const)
+    return out
+
+
+_type_keys: "weakref.WeakKeyDictionary[type, object]" = weakref.WeakKeyDictionary()
+
+
+def type_key(cls: type):
+    """A class other than an experiment's: by identity when it is importable (its module,
+    imported, names it by its qualified name): a library's class, or one of a module that a
+    notebook imports; by content otherwise (``__main__``'s, a function's, one made by
+    ``exec``, or one defined again since): its module, name, bases (by this function) and
+    members (functions by code, other values by :func:`stable_key`), so an unchanged model
+    class defined again in a re-run notebook cell gives an equal key."""
+    if _importable(cls):
+        return cls
+    try:
+        key = _type_keys.get(cls)
+    except TypeError:  # not weak-referenceable
+        return cls
+    if key is None:
+        key = _guarded(cls, _type_content)
+        if not isinstance(key, tuple) or key[0] != "cycle":
+            _type_keys[cls] = key
+    return key
+
+
+def _importable(cls: type) -> bool:
+    module = cls.__module__
+    if module == "__main__" or module not in sys.modules or "<locals>" in cls.__qualname__:
+        return False
+    obj = sys.modules[module]
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is cls
+
+
+_TYPE_SKIP = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "_abc_impl",
+                        "__abstractmethods__", "__parameters__", "__orig_bases__"})
+
+
+def _type_content(cls: type) -> tuple:
+    members = []
+    for name, value in vars(cls).items():
+        if name in _TYPE_SKIP or isinstance(value, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+            continue
+        dunder = name.startswith("__") and name.endswith("__")
+        if dunder and not (inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod, property))):
+            continue  # bookkeeping (dataclass fields, abstract sets): the structure is in the treedef
+        members.append((name, _member_key(value)))
+    bases = tuple(stable_key(b) for b in cls.__bases__)
+    return ("class", cls.__module__, cls.__qualname__, bases, tuple(sorted(members, key=lambda m: m[0])))
+
+
+def _treedef_key(treedef) -> tuple:
+    """A ``PyTreeDef`` node by node: ``(node type, node data, children)``, ``"*"`` for a leaf."""
+    data = treedef.node_data()
+    if data is None:
+        return "*"
+    kind, aux = data
+    return (stable_key(kind), _aux_key(aux), tuple(_treedef_key(c) for c in treedef.children()))
+
+
+def _aux_key(aux):
+    if isinstance(aux, (tuple, list)):
+        return (type(aux).__name__, tuple(_aux_key(a) for a in aux))
+    return stable_key(aux)
 
 
 def _canonical(key):
@@ -278,6 +435,8 @@ def clear_cache() -> None:
     with _lock:
         _programs.clear()
         _class_keys.clear()
+        _traced_keys.clear()
+        _type_keys.clear()
         _hits = 0
         _misses = 0
 

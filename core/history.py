@@ -48,7 +48,7 @@ import numpy as np
 
 from .plugin_manager import disabled_note, first_result
 
-__all__ = ["MetricHistory"]
+__all__ = ["MetricHistory", "improves", "best_positions"]
 
 _FIXED = ("epoch", "step", "train_loss")
 FIXED_COLUMNS = _FIXED
@@ -88,6 +88,48 @@ def _as_int(value: Any, key: str, position: int) -> int:
         f"MetricHistory: row {position} has {key}={value!r}; `{key}` must be an integer "
         f"(the {'epoch number' if key == 'epoch' else 'optimizer steps taken so far'})."
     )
+
+
+# --------------------------------------------------------------------------
+# "best": one rule for every consumer
+
+
+def improves(value: Any, best: Any, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether monitored ``value`` beats ``best`` (None: nothing yet) in ``mode`` ("max" | "min").
+
+    The one rule of "best" that the history (its starred row), the plot, the checkpointer
+    (``jn.Best(n)``, ``("latest", "best")``, ``restore_best``) and early stopping share:
+    a value is better only when it is **strictly** better (by more than ``min_delta``);
+    NaN (and None) never is. So among epochs that tie, the **earliest** is the best: a later
+    epoch that only equals it took more steps to get no further, and early stopping counts
+    it as no improvement.
+    """
+    if value is None:
+        return False
+    value = float(value)
+    if math.isnan(value):
+        return False
+    if best is None or math.isnan(float(best)):
+        return True
+    return value > float(best) + min_delta if mode == "max" else value < float(best) - min_delta
+
+
+def best_positions(values: Sequence[Any], mode: str, n: int = 1) -> list[int]:
+    """The positions of the ``n`` best of ``values`` (in epoch order), best first, by :func:`improves`.
+
+    None and NaN are never chosen; among equal values the earlier position ranks higher.
+    ``best_positions(v, mode)[0]`` is the best epoch's position (an empty list: none).
+    """
+    ranked: list[int] = []
+    for position, value in enumerate(values):
+        if value is None or math.isnan(float(value)):
+            continue
+        # insert after every kept value that this one does not beat: ties keep epoch order
+        at = len(ranked)
+        while at > 0 and improves(value, values[ranked[at - 1]], mode):
+            at -= 1
+        ranked.insert(at, position)
+    return ranked[:n]
 
 
 # --------------------------------------------------------------------------
@@ -297,14 +339,8 @@ class MetricHistory:
         name, mode = self._monitor
         if name not in self._columns or not self._scalar[name]:
             return None
-        best, best_value = None, None
-        for position, row in enumerate(self._rows):
-            value = float(row[name])
-            if math.isnan(value):
-                continue
-            if best_value is None or (value > best_value if mode == "max" else value < best_value):
-                best, best_value = position, value
-        return best
+        ranked = best_positions([row[name] for row in self._rows], mode)
+        return ranked[0] if ranked else None
 
     # -- metadata -----------------------------------------------------------
 
@@ -351,7 +387,8 @@ class MetricHistory:
 
     @property
     def best(self) -> dict[str, Any] | None:
-        """The best row (max/min of the monitored metric; first on ties; NaN ignored), or ``None``.
+        """The best row (max/min of the monitored metric; the earliest on ties, see
+        :func:`improves`; NaN ignored), or ``None``.
 
         ``None`` without a monitor, when the monitored column is not in this
         selection, or when it is NaN in every row.
@@ -450,10 +487,7 @@ class MetricHistory:
     def _select_columns(self, names: Sequence[str]) -> list[str]:
         unknown = [n for n in names if n not in self._columns]
         if unknown:
-            raise KeyError(
-                f"MetricHistory: no column {', '.join(map(repr, unknown))}; "
-                f"the columns are {', '.join(self._columns)}."
-            )
+            raise KeyError(_no_column(unknown, self._columns))
         wanted = {"epoch", "step", *names}
         return [c for c in self._columns if c in wanted]
 
@@ -470,9 +504,7 @@ class MetricHistory:
         are identifiers and not methods of this class.
         """
         if name not in self._columns:
-            raise KeyError(
-                f"MetricHistory: no column {name!r}; the columns are {', '.join(self._columns)}."
-            )
+            raise KeyError(_no_column([name], self._columns))
         values = [r[name] for r in self._rows]
         if self._scalar[name]:
             if not values:
@@ -496,10 +528,7 @@ class MetricHistory:
             raise AttributeError(name) from None
         if name in columns:
             return self.column(name)
-        raise AttributeError(
-            f"MetricHistory has no column or attribute {name!r}; the columns are "
-            f"{', '.join(columns)}."
-        )
+        raise AttributeError(_no_column([name], columns, "MetricHistory has no column or attribute"))
 
     def __dir__(self) -> list[str]:
         names = set(super().__dir__())
@@ -613,6 +642,36 @@ class MetricHistory:
 
 # --------------------------------------------------------------------------
 # helpers
+
+
+def close_columns(name: str, columns: Sequence[str]) -> list[str]:
+    """The columns ``name`` probably meant: spelled alike (``difflib``), or containing it or
+    contained in it (``"loss"`` -> ``"train_loss"``), best first."""
+    import difflib
+
+    lowered = name.lower()
+    near = difflib.get_close_matches(name, list(columns), n=3, cutoff=0.6)
+    near += [c for c in columns if c not in ("epoch", "step") and (lowered in c.lower() or c.lower() in lowered)]
+    return list(dict.fromkeys(c for c in near if c != name))
+
+
+def _no_column(unknown: Sequence[str], columns: Sequence[str], opening: str = "MetricHistory: no column") -> str:
+    """The refusal of unknown column names: the close matches, then every column."""
+    hints = []
+    for name in unknown:
+        close = close_columns(name, columns)
+        if close:
+            hints.append(f"for {name!r} did you mean {' or '.join(map(repr, close))}?")
+    text = f"{opening} {', '.join(map(repr, unknown))}"
+    if hints:
+        text += "; " + "; ".join(hints)
+    text += f" The columns are {', '.join(columns)}."
+    if "loss" in unknown and "loss" not in columns:
+        text += (
+            " (`train_loss` is the epoch's training loss; a validation loss is a column only when "
+            "`metrics` returns one, or, without a `metrics` hook, as `loss`.)"
+        )
+    return text
 
 
 def _slice_text(s: slice) -> str:

@@ -295,7 +295,10 @@ class ExtensionSpec:
         path), a ``(run, checkpoint)`` pair such as ``("latest", "best")``,
         ``("latest", "last")``, ``("latest", 1200)`` (a step), an average such as
         ``("latest", jn.Average(jn.Last(10)))``, or ``"auto"`` (``purpose="resume"``:
-        the newest checkpoint a run can continue from). ``run_dir`` is the ``run_dir``
+        the newest checkpoint a run can continue from, of the newest run that
+        :func:`jaxnitro.weights.incompatibility` does not rule out for ``experiment``).
+        What differs from what ``spec`` asked (an average of fewer checkpoints, runs
+        passed over) goes in the record's ``notes``, which the core warns. ``run_dir`` is the ``run_dir``
         knob (the folder holding run folders); ``monitor`` is ``(metric, "max" | "min")``
         or None (what ``"best"`` ranks by); ``purpose`` is ``"weights"`` or ``"resume"``.
 

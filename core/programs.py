@@ -35,8 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from .blocks import ROWS
-from .cache import Program, get_program, stable_key
+from .cache import Program, experiment_key, get_program, stable_key, traced_class_key
 from .experiment import make_view
+from .hookspecs import EXPERIMENT_HOOKS
+from .knobs import RUN_KNOBS
 from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
@@ -44,6 +46,11 @@ from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
+
+_UNTRACED = frozenset(EXPERIMENT_HOOKS) | frozenset(RUN_KNOBS)
+"""The hooks and run knobs whose methods a program's key leaves out unless its traced hooks name
+them: a program's own traced hooks are keyed by their code, the rest run on the host (what they
+decide that shapes a program, the model, the optimizer, ``accum``, has its own part of the key)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,31 @@ def _check_forward_result(res, state, cls_name: str):
     return outputs, new_state
 
 
+class FlatProgram:
+    """A program over leaves, called with pytrees: ``jitted(params, state, *rest)`` flattens
+    ``params`` and ``state`` and calls the shared program; ``kind``, ``traces`` and ``meta``
+    are the shared program's."""
+
+    def __init__(self, program: Program):
+        self.program = program
+
+    @property
+    def kind(self) -> str:
+        return self.program.kind
+
+    @property
+    def traces(self) -> int:
+        return self.program.traces
+
+    @property
+    def meta(self) -> dict:
+        return self.program.meta
+
+    def jitted(self, params, state, *rest):
+        leaves = jax.tree_util.tree_leaves
+        return self.program.jitted(leaves(params), leaves(state), *rest)
+
+
 class ProgramSet:
     """The programs of one handle, looked up in the module-level cache.
 
@@ -140,7 +172,7 @@ class ProgramSet:
         self.state_def = state_def
         self.has_train_metrics = "train_metrics" in hooks
         self._base_key = (
-            cls,
+            experiment_key(cls),  # what the programs reach of the class: in _hook_key
             tuple(sorted((k, stable_key(v)) for k, v in self.graph_values.items())),
             skeleton.key,
         )
@@ -163,7 +195,14 @@ class ProgramSet:
         return self.hooks[name].function
 
     def _hook_key(self, *names) -> tuple:
-        return tuple((n, self.hooks[n].function, self.routes.get(n)) for n in names if n in self.hooks)
+        """The traced hooks ``names`` (by code), their routes, and what their code can reach of
+        the experiment class: every member but the host-side hooks and run-knob methods it does
+        not name (:func:`jaxnitro.cache.traced_class_key`), so an edit of `metrics` kept on the
+        host, `finalize_metrics` or `monitor` (or a re-run cell with one) compiles nothing."""
+        present = [n for n in names if n in self.hooks]
+        hooks = tuple((n, self.hooks[n].function, self.routes.get(n)) for n in present)
+        traced = [self.hooks[n].function for n in present]
+        return hooks + (traced_class_key(self.cls, traced, _UNTRACED),)
 
     def _forward(self, view, params, state, batch, inference: bool):
         model = eqx.combine(params, self.skeleton.static)
@@ -378,18 +417,27 @@ class ProgramSet:
             donate_argnums=(0, 1, 2),
         )
 
-    def forward(self) -> Program:
-        """``(params, state, dev, batch) -> outputs``, the model in inference mode."""
+    def forward(self) -> "FlatProgram":
+        """``(params, state, dev, batch) -> outputs``, the model in inference mode.
+
+        The compiled program takes the params' and the state's leaves (as the training
+        programs do), so a handle whose model class is an equal class defined again (a
+        re-run notebook cell) calls the same executable: a pytree argument would make jit
+        compare the model classes by identity and trace again."""
+        p_def, s_def = self.param_def, self.state_def
 
         def build(meta):
-            def forward(params, state, dev, batch):
+            def forward(p_leaves, s_leaves, dev, batch):
                 batch = with_key(batch)
+                params = jax.tree_util.tree_unflatten(p_def, p_leaves)
+                state = jax.tree_util.tree_unflatten(s_def, s_leaves)
                 outputs, _ = self._forward(self.view(dev), params, state, batch, inference=True)
                 return outputs
 
             return forward
 
-        return self._program("forward", self._base_key + self._hook_key("forward"), build)
+        key = self._base_key + self._hook_key("forward") + (stable_key(p_def), stable_key(s_def))
+        return FlatProgram(self._program("forward", key, build))
 
     def metrics(self) -> Program:
         """``(dev, outputs, batch) -> {name: (value, count)}`` for device-resident metrics.

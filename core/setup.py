@@ -215,7 +215,7 @@ def _build_model(e, plan: Plan, settings: Settings, weights, record=None) -> tup
     plan.weights_from = "build_model (seed %d)" % settings.seed
     initial = state.params
     if record is not None:
-        check_tree_and_graph(e, state.params, record)
+        check_tree_and_graph(e, state.params, record, "weights" if weights is not None else "resume")
         if weights is not None:
             state = install_weights(state, plan, record)
     elif weights is not None:

@@ -38,6 +38,7 @@ __all__ = [
     "tree_listing",
     "tree_diff",
     "abstract",
+    "incompatibility",
 ]
 
 
@@ -103,7 +104,10 @@ class WeightsRecord:
       ``rng`` (``{"data": [...], "dtype": ...}``), ``metrics``, ``seed``, ``end``;
     - ``restore``: ``restore({item: abstract tree}) -> {item: tree}`` reads the named
       items into those structures (:func:`abstract`); an average averages ``params``
-      and ``ema`` and takes the rest from its newest checkpoint.
+      and ``ema`` and takes the rest from its newest checkpoint;
+    - ``notes``: what the reader found that differs from what the spec asked, in words (an
+      average of fewer checkpoints than asked; newer runs passed over as another
+      experiment's): the core warns each one (``RuntimeWarning``), so nothing is silent.
     """
 
     source: str
@@ -113,6 +117,7 @@ class WeightsRecord:
     items: tuple[str, ...]
     restore: Callable[[Mapping], dict]
     newest_in_run: bool = True
+    notes: tuple[str, ...] = ()
 
 
 # -- JSON-able values ---------------------------------------------------------------------
@@ -196,10 +201,11 @@ def tree_diff(ours: Mapping, theirs: Mapping) -> list[str]:
     ]
 
 
-def tree_diff_error(diff: list[str], fix: str, graph_note: str = "") -> ValueError:
-    """The refusal of weights whose tree differs from the model's: the diff, then ``fix``."""
+def tree_diff_error(diff: list[str], fix: str, graph_note: str = "", keyword: str = "weights") -> ValueError:
+    """The refusal of weights whose tree differs from the model's: the diff, then ``fix``
+    (``keyword``: the handle keyword that named them, ``weights`` or ``resume``)."""
     return ValueError(
-        "jaxnitro: `weights=` come from a model with a different tree; leaves that differ:\n  "
+        f"jaxnitro: `{keyword}=` names weights of a model with a different tree; leaves that differ:\n  "
         + "\n  ".join(diff)
         + graph_note
         + "\n"
@@ -317,26 +323,84 @@ def find_record(e, kwargs: dict, run_dir: str, monitor):
             f"jaxnitro: a plugin answered `jaxnitro_load_weights` with {type(record).__name__}; it "
             f"must return a jaxnitro.weights.WeightsRecord."
         )
-    check_class(e, record)
+    check_class(e, record, keyword)
+    for note in record.notes:
+        warnings.warn(note if note.startswith("jaxnitro:") else f"jaxnitro: {note}", RuntimeWarning, stacklevel=4)
     return record
 
 
-def check_class(e, record: WeightsRecord) -> None:
-    """Refuse a record saved by another experiment class (compared by ``__qualname__``)."""
-    saved = record.metadata.get("experiment", {})
+def _class_names(e, metadata: Mapping) -> tuple[str, str, str] | None:
+    """``(ours, theirs, their qualname)`` when ``metadata`` was saved by another experiment class
+    (compared by ``__qualname__``), else None."""
+    saved = metadata.get("experiment", {})
     cls = type(e)
     # by qualified name: a script's class is `__main__.X` when it saves and `script.X` when a
     # notebook imports it; the tree and GraphConst checks still apply
-    if cls.__qualname__ != saved.get("qualname"):
-        ours = f"{cls.__module__}.{cls.__qualname__}"
-        theirs = f"{saved.get('module', '?')}.{saved.get('qualname', '?')}"
-        raise ValueError(
-            f"jaxnitro: the checkpoint {record.path} was saved by experiment class `{theirs}`, not "
-            f"`{ours}`; its weights, derived values and GraphConst values belong to that experiment. "
-            f"Build the handle with a `{saved.get('qualname', '?')}` instance, or, to start this "
-            f"experiment from those weights, load them with that class and warm-start from its "
-            f"handle (`weights=<that Nitro>`)."
+    if cls.__qualname__ == saved.get("qualname"):
+        return None
+    ours = f"{cls.__module__}.{cls.__qualname__}"
+    theirs = f"{saved.get('module', '?')}.{saved.get('qualname', '?')}"
+    return ours, theirs, saved.get("qualname", "?")
+
+
+def _graph_diff(e, metadata: Mapping) -> tuple[list[str], list[str]]:
+    """``(names, lines)`` of the GraphConst values that differ between ``e`` and ``metadata``."""
+    from .experiment import fields_of
+
+    graph = {n: getattr(e, n) for n, i in fields_of(e).items() if i.is_graph_const}
+    saved_graph = metadata.get("graph_const") or {}
+    differing = [
+        n
+        for n in sorted(set(graph) | set(saved_graph))
+        if n not in graph or n not in saved_graph or _canonical(graph[n]) != json.dumps(saved_graph[n], sort_keys=True)
+    ]
+    lines = [
+        f"{n}: this experiment {graph.get(n, 'missing')!r}, checkpoint "
+        f"{from_jsonable(saved_graph[n]) if n in saved_graph else 'missing'!r}"
+        for n in differing
+    ]
+    return differing, lines
+
+
+def incompatibility(e, metadata: Mapping) -> str | None:
+    """Why a checkpoint whose record is ``metadata`` cannot hold experiment ``e``'s weights, in
+    words (saved by another experiment class; other GraphConst values), or None.
+
+    What ``resume="auto"`` uses to pass over the runs of other experiments (a checkpoint
+    reader calls it on each candidate run's newest checkpoint, newest run first).
+    """
+    names = _class_names(e, metadata)
+    if names is not None:
+        return f"saved by experiment class `{names[1]}`, not `{names[0]}`"
+    _, lines = _graph_diff(e, metadata)
+    if lines:
+        return "other GraphConst values: " + "; ".join(lines)
+    return None
+
+
+def check_class(e, record: WeightsRecord, keyword: str = "weights") -> None:
+    """Refuse a record saved by another experiment class (compared by ``__qualname__``);
+    ``keyword`` (``weights`` or ``resume``) names the handle keyword in the message."""
+    names = _class_names(e, record.metadata)
+    if names is None:
+        return
+    ours, theirs, qualname = names
+    if keyword == "resume":
+        fix = (
+            f"A run continues with its own experiment: build the handle with a `{qualname}` "
+            f"instance to continue that run, or name a run of `{ours}` in `resume=` "
+            f"(`resume='auto'` finds the newest one), or start fresh without `resume=`."
         )
+    else:
+        fix = (
+            f"Build the handle with a `{qualname}` instance, or, to start this experiment from "
+            f"those weights, load them with that class and warm-start from its handle "
+            f"(`weights=<that Nitro>`)."
+        )
+    raise ValueError(
+        f"jaxnitro: `{keyword}=`: the checkpoint {record.path} was saved by experiment class `{theirs}`, not "
+        f"`{ours}`; its weights, derived values and GraphConst values belong to that experiment. {fix}"
+    )
 
 
 def derived_values(e, record: WeightsRecord) -> dict:
@@ -362,22 +426,10 @@ def derived_values(e, record: WeightsRecord) -> dict:
     return {n: v for n, v in saved.items() if n not in lost}
 
 
-def check_tree_and_graph(e, params, record: WeightsRecord) -> None:
-    """Refuse a record whose parameter tree or GraphConst values differ from this experiment's."""
-    from .experiment import fields_of
-
-    graph = {n: getattr(e, n) for n, i in fields_of(e).items() if i.is_graph_const}
-    saved_graph = record.metadata.get("graph_const") or {}
-    differing = [
-        n
-        for n in sorted(set(graph) | set(saved_graph))
-        if n not in graph or n not in saved_graph or _canonical(graph[n]) != json.dumps(saved_graph[n], sort_keys=True)
-    ]
-    graph_diff = [
-        f"{n}: this experiment {graph.get(n, 'missing')!r}, checkpoint "
-        f"{from_jsonable(saved_graph[n]) if n in saved_graph else 'missing'!r}"
-        for n in differing
-    ]
+def check_tree_and_graph(e, params, record: WeightsRecord, keyword: str = "weights") -> None:
+    """Refuse a record whose parameter tree or GraphConst values differ from this experiment's
+    (``keyword``, ``weights`` or ``resume``, names the handle keyword in the message)."""
+    differing, graph_diff = _graph_diff(e, record.metadata)
     theirs = (record.metadata.get("tree") or {}).get("params") or {}
     diff = tree_diff(tree_listing(params), theirs)
     if diff:
@@ -385,15 +437,16 @@ def check_tree_and_graph(e, params, record: WeightsRecord) -> None:
         raise tree_diff_error(
             diff,
             f"The checkpoint is {record.path}. Build the experiment with the GraphConst values it was "
-            f"trained with, or train this one without `weights=`.",
+            f"trained with, or train this one without `{keyword}=`.",
             note,
+            keyword,
         )
     if graph_diff:
         raise ValueError(
-            f"jaxnitro: the checkpoint {record.path} was saved with other GraphConst values (structural: "
-            "they define the compiled graph): " + "; ".join(graph_diff) + ". Build the experiment with "
-            "the checkpoint's values (" + ", ".join(f"{n}=..." for n in differing) + "), or start "
-            "without these weights."
+            f"jaxnitro: `{keyword}=`: the checkpoint {record.path} was saved with other GraphConst values "
+            "(structural: they define the compiled graph): " + "; ".join(graph_diff) + ". Build the "
+            "experiment with the checkpoint's values (" + ", ".join(f"{n}=..." for n in differing) + "), "
+            f"or start without `{keyword}=`."
         )
 
 
@@ -444,6 +497,27 @@ def install_weights(state, plan, record: WeightsRecord):
     return state.replace(params=params, model_state=model_state)
 
 
+def _optimizer_mismatch(record: WeightsRecord, rest: dict, err: ValueError) -> ValueError:
+    """The refusal when a resume could not read the optimizer state: when everything else reads
+    (``rest``), the checkpoint is healthy and the optimizer's structure changed; say so."""
+    try:
+        restore_items(record, rest)
+    except ValueError:  # the rest fails too: the checkpoint itself is damaged
+        return ValueError(
+            f"{err}\nIf the optimizer changed since the checkpoint was saved (rules, groups, "
+            f"`decay_anchor`), resume with `restore_optimizer=False` for a fresh optimizer state."
+        )
+    cause = str(err.__cause__ or err)
+    return ValueError(
+        f"jaxnitro: `resume=`: the optimizer state saved in {record.path} has another structure "
+        f"than this handle's optimizer: the optimizer changed since the checkpoint was saved (its "
+        f"rules, parameter groups, `decay_anchor` or `ema`). The checkpoint itself is readable "
+        f"(its {', '.join(sorted(rest))} restore). Resume with `restore_optimizer=False` to continue "
+        f"from its parameters, step and epoch with a fresh optimizer state, or build the handle "
+        f"with the optimizer the run was trained with. (orbax: {cause[:300]})"
+    )
+
+
 def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
     """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
     epoch and PRNG key from the record; the optimizer state must already be built
@@ -473,12 +547,9 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     try:
         got = restore_items(record, wanted)
     except ValueError as err:
-        if "opt_state" in wanted:
-            raise ValueError(
-                f"{err}\nIf the optimizer changed since the checkpoint was saved (rules, groups, "
-                f"`decay_anchor`), resume with `restore_optimizer=False` for a fresh optimizer state."
-            ) from err
-        raise
+        if "opt_state" not in wanted:
+            raise
+        raise _optimizer_mismatch(record, {k: v for k, v in wanted.items() if k != "opt_state"}, err) from err
     params = jax.tree_util.tree_map(jnp.asarray, got["params"])
     opt_state = state.opt_state
     if opt_state is not None:

@@ -25,6 +25,7 @@ import weakref
 import attrs
 
 from jaxnitro.evaluation import check_monitored_value
+from jaxnitro.history import improves
 from jaxnitro.hookspecs import hookimpl
 from jaxnitro.knobs import require_monitor_and_val
 
@@ -39,8 +40,10 @@ class EarlyStopping:
     """Stop when the monitored metric has not improved for ``patience`` validated epochs.
 
     An improvement is a value better than the best so far by more than
-    ``min_delta`` in the monitor's direction (``"max"`` or ``"min"``). NaN
-    never improves. Redefining ``should_stop`` on a subclass takes effect at
+    ``min_delta`` in the monitor's direction (``"max"`` or ``"min"``), by
+    :func:`jaxnitro.history.improves`, the rule the history and the
+    checkpointer share: NaN never improves, nor does a tie (``best_epoch`` is
+    then the earliest of the tied epochs, the history's best epoch). Redefining ``should_stop`` on a subclass takes effect at
     the next epoch without compiling anything.
     """
 
@@ -72,11 +75,7 @@ class EarlyStopping:
     def should_stop(self, epoch: int, value: float, mode: str) -> bool:
         """Record ``value`` for ``epoch``; return True when the run should stop now."""
         value = float(value)
-        better = not math.isnan(value) and (
-            self.best is None
-            or (value > self.best + self.min_delta if mode == "max" else value < self.best - self.min_delta)
-        )
-        if better:
+        if improves(value, self.best, mode, self.min_delta):  # the history's rule: a tie never improves
             self.best, self.best_epoch, self.bad_epochs = value, epoch, 0
             return False
         self.bad_epochs += 1

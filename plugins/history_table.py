@@ -14,6 +14,8 @@ It answers:
   last rows, writes ``⋮`` for each gap and says in a footer which selection
   shows every row; columns wider than ``width`` are dropped from the right
   (the monitored metric last) and named in a footer. The best row is starred.
+  The title line fits ``width`` too: the run folder relative to the working
+  directory when inside it, its leading folders elided with ``…`` when too long.
 * ``"html"``: every row as an HTML table (``_repr_html_`` in a notebook); the
   best row bold and starred.
 * ``"csv"``: the scalar columns written to ``options["path"]`` (header row
@@ -36,6 +38,7 @@ import csv
 import html
 import math
 import numbers
+import os
 import shutil
 from typing import Any
 
@@ -81,26 +84,57 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _title_line(history, shown: int | None = None) -> str:
-    """``<title>  (<run dir>, [<shown> of ]<n> epochs[, <planned> planned])``."""
+def _shown_dir(run_dir: str) -> str:
+    """The run folder as the title shows it: relative to the working directory when inside it."""
+    try:
+        relative = os.path.relpath(run_dir)
+    except ValueError:  # another drive (Windows)
+        return run_dir
+    return relative if not relative.startswith(os.pardir) and len(relative) < len(run_dir) else run_dir
+
+
+def _fit(make, run_dir: str | None, width: int | None) -> str:
+    """``make(dir)`` (``dir`` the run folder's text, or None) within ``width`` characters.
+
+    The run folder is shown relative to the working directory when inside it; when the line
+    is still too wide its leading folders give way to ``…`` (the run's own folder name
+    stays), then the folder is left out, then the line is cut with ``…``.
+    """
+    if not run_dir:
+        line = make(None)
+    else:
+        shown = _shown_dir(run_dir)
+        line = make(shown)
+        if width is not None and len(line) > width:
+            room = width - (len(line) - len(shown))
+            tail = shown[-(room - 1):] if room > 1 else ""
+            cut = tail.find(os.sep)
+            tail = tail[cut:] if cut > 0 else tail
+            name = os.path.basename(shown.rstrip(os.sep))
+            line = make("…" + tail) if room > 1 and name in tail else make(None)
+    if width is not None and len(line) > width:
+        line = line[: max(width - 1, 0)] + "…"
+    return line
+
+
+def _title_line(history, shown: int | None = None, width: int | None = None) -> str:
+    """``<title>  (<run dir>, [<shown> of ]<n> epochs[, <planned> planned])``, within ``width``."""
     n = len(history)
-    parts = []
-    if history.run_dir:
-        parts.append(history.run_dir)
     epochs = "epoch" if n == 1 else "epochs"
     thinned = shown is not None and shown < n
-    parts.append(f"{shown} of {n} {epochs}" if thinned else f"{n} {epochs}")
+    parts = [f"{shown} of {n} {epochs}" if thinned else f"{n} {epochs}"]
     if history.total_epochs is not None:
         parts.append(f"{history.total_epochs} planned")
-    return f"{history.title}  ({', '.join(parts)})"
+    return _fit(lambda where: f"{history.title}  ({', '.join(([where] if where else []) + parts)})",
+                history.run_dir, width)
 
 
-def _empty_line(history) -> str:
+def _empty_line(history, width: int | None = None) -> str:
     """The whole display of a history without rows."""
-    where = f"{history.run_dir}, " if history.run_dir else ""
     resumed = history.resumed_from
     tail = f"; resumed from epoch {resumed}" if resumed is not None else ""
-    return f"{history.title}  ({where}no epochs yet{tail})"
+    return _fit(lambda where: f"{history.title}  ({f'{where}, ' if where else ''}no epochs yet{tail})",
+                history.run_dir, width)
 
 
 def _reach(history, name: str) -> str:
@@ -244,11 +278,11 @@ def _text_footers(history, epochs, shown, budget, columns, dropped, width) -> li
 
 def _text(history, options: dict) -> str:
     """The framed text table; see the module docstring."""
-    if not len(history):
-        return _empty_line(history)
     size = shutil.get_terminal_size((100, 24))
     width = options.get("width")
     width = size.columns if width is None else width
+    if not len(history):
+        return _empty_line(history, width)
     max_rows = options.get("max_rows")
     max_rows = size.lines - _CHROME_LINES if max_rows is None else max_rows
     budget = max(int(max_rows), _MIN_BODY_ROWS)
@@ -264,7 +298,7 @@ def _text(history, options: dict) -> str:
 
     epochs = [r["epoch"] for r in rows]
     footers = _text_footers(history, epochs, shown, budget, columns, dropped, width)
-    out = [_title_line(history, len(shown))]
+    out = [_title_line(history, len(shown), width)]
     out += _frame(visible, widths, cells, shown, best, star)
     out += ["  " + f for f in footers]
     return "\n".join(out)

@@ -3,8 +3,8 @@
 The cache is process-wide, so every assertion compares *deltas* of
 ``misses`` (one miss = one trace = one XLA compilation), never absolute
 values. Tests that need exact miss counts use a fresh experiment class
-(``fresh_tiny`` from ``tiny.py``): the class's content is part of every program
-key and each fresh class has a unique member, so such a class starts with no
+(``fresh_tiny`` from ``tiny.py``): the class's name is part of every program
+key and each fresh class has a unique qualified name, so such a class starts with no
 programs whatever other tests compiled before.
 """
 
@@ -37,7 +37,7 @@ def misses() -> int:
 def traces_of(cls) -> dict[str, list[int]]:
     """``{kind: [traces of each cached program of that kind]}`` for the programs of ``cls``."""
     out: dict[str, list[int]] = defaultdict(list)
-    mine = jcache.stable_key(cls)  # programs are keyed by the class's content
+    mine = jcache.experiment_key(cls)  # every program key starts with the class's name and fields
     for (kind, key), program in list(jcache._programs.items()):
         if key[0] == mine:
             out[kind].append(program.traces)

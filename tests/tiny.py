@@ -117,16 +117,17 @@ class Tiny(TinyCore):
 def fresh_tiny(name: str = "FreshTiny", **members):
     """A new experiment class: a subclass of Tiny with its own compile-cache keys.
 
-    The class's content is part of every program key (an unchanged class defined
-    again shares its programs), so each fresh class gets a unique ``_fresh_id``
-    member: it starts with no programs, whatever other tests compiled before.
+    Every program key starts with the class's module, qualified name and fields, and holds
+    what the traced code reaches of its content (an unchanged class defined again shares
+    its programs), so each fresh class gets a unique ``__qualname__`` (``__name__`` stays
+    ``name``): it starts with no programs, whatever other tests compiled before.
     ``members`` become class attributes: hooks, or, for a name that is a field of
     Tiny, that field's new default (it keeps its marker; attribute docs of a class
     made here are empty).
     """
     fields = fields_of(Tiny)
     overridden = {field: _annotation(Tiny, field) for field in members if field in fields}
-    unique = {"_fresh_id": next(_FRESH_IDS)}
+    unique = {"__qualname__": f"{name}_fresh{next(_FRESH_IDS)}"}
     return jn.experiment(type(name, (Tiny,), {"__annotations__": overridden, **unique, **members}))
 
 
