@@ -316,8 +316,12 @@ class _RunDisplay:
         self.epoch, self.phase, self.detail, self.position, self.figures = 0, "starting", None, 0.0, ""
         reporter.begin(total, self.label())
 
+    def where(self) -> str:
+        """Where the run is: ``epoch 3/40``."""
+        return f"epoch {self.epoch}/{self.total}"
+
     def label(self) -> str:
-        text = f"epoch {self.epoch}/{self.total}: {self.phase}"
+        text = f"{self.where()}: {self.phase}"
         extra = self.detail or current_note()
         text = f"{text} [{extra}]" if extra else text
         return f"{text} | {self.figures}" if self.figures else text
@@ -360,11 +364,8 @@ class _StepDisplay(_RunDisplay):
         self.run = run
         super().__init__(reporter, total_steps, 1, monitor)
 
-    def label(self) -> str:
-        text = f"step {int(self.position):,}/{self.total:,}: {self.phase}"
-        extra = self.detail or current_note()
-        text = f"{text} [{extra}]" if extra else text
-        return f"{text} | {self.figures}" if self.figures else text
+    def where(self) -> str:
+        return f"step {int(self.position):,}/{self.total:,}"
 
     def epoch_end(self, row: dict) -> None:
         super().epoch_end(row)
