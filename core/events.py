@@ -8,6 +8,7 @@ is one stretch of read optimizer steps.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,13 +30,41 @@ class RunContext:
     - ``run_dir``: the run's own folder (absolute ``str``, created);
     - ``settings``: the resolved run knobs (:class:`jaxnitro.Settings`);
     - ``loggers``: the run's logger objects, in the order they were made;
-    - ``stop_reason``: set by :meth:`request_stop`.
+    - ``stop_reason``: set by :meth:`request_stop`;
+    - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
+    - ``resumed_step``: that step when the run continues an existing run folder, else None.
     """
 
     nitro: object
     run_dir: str
     loggers: list = field(default_factory=list)
     stop_reason: str | None = None
+    start_step: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.start_step = int(getattr(self.nitro, "step", 0) or 0)
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step this run continues from when it continues an existing run folder, else None.
+
+        A handle made with ``resume=`` from a checkpoint whose run folder it continues
+        (``nitro.plan.resumed.continue_folder``) trains into that folder: its loggers find
+        there what the interrupted run logged, possibly past this step (the checkpoint is older
+        than the last logged line). Loggers use it (through the optional ``resume(step)`` verb,
+        which :class:`~jaxnitro.logger.LoggerRelay` calls first) to continue their records without
+        logging a step twice. It is the step the run starts from: the checkpoint's step
+        (``resumed.step``) for the handle's first ``train()``, and the handle's step then for a
+        later ``train()`` into the same folder. None for a new run folder (a fresh run, or a
+        resume that branches into a new folder).
+        """
+        plan = getattr(self.nitro, "plan", None)
+        resumed = getattr(plan, "resumed", None)
+        if resumed is None or not resumed.continue_folder or not resumed.run_folder:
+            return None
+        if os.path.realpath(resumed.run_folder) != os.path.realpath(self.run_dir):
+            return None
+        return max(int(resumed.step), self.start_step)
 
     @property
     def settings(self):
