@@ -8,6 +8,7 @@ default store (in the run folder) is made once, and the other tests share a copy
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -57,7 +58,7 @@ def store(default_run, tmp_path_factory) -> str:
     whose schema is already made (making one costs 1-5 s)."""
     _, n = default_run
     copy = tmp_path_factory.mktemp("shared") / "mlflow.db"
-    shutil.copyfile(Path(n.run_dir) / "mlflow.db", copy)
+    shutil.copyfile(Path(n.run_dir).parent / "mlflow.db", copy)
     return "sqlite:///" + str(copy)
 
 
@@ -74,8 +75,9 @@ def test_a_default_run_reads_back_with_mlflowclient_as_the_jsonl_logger_wrote_it
     run_dir = Path(n.run_dir)
     lines = read_jsonl(run_dir / "metrics.jsonl", restore_nonfinite=True)
     assert sorted(p.name for p in root.iterdir()) == ["runs"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == sorted(["mlflow.db", "mlartifacts", run_dir.name])
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")  # the store is in the run folder
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/runs/mlflow.db")  # one store at the run_dir's root
     (experiment,) = [e for e in client.search_experiments() if e.name == "Tiny"]
     (run,) = client.search_runs([experiment.experiment_id])
     backend = jn.backend(n.loggers[1])
@@ -97,7 +99,10 @@ def test_a_default_run_reads_back_with_mlflowclient_as_the_jsonl_logger_wrote_it
 
     report = next(ln["value"] for ln in lines if ln.get("key") == "binding_report")
     assert read_artifact(client, run.info.run_id, "binding_report.txt", tmp_path) == report
-    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(run_dir / "mlartifacts")
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(root / "runs" / "mlartifacts")
+    assert json.loads((run_dir / "mlflow_run.json").read_text()) == {
+        "tracking_uri": f"sqlite:///{root}/runs/mlflow.db", "experiment_id": experiment.experiment_id, "run_id": run.info.run_id,
+    }
 
 
 @pytest.mark.parametrize(

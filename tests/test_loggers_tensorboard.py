@@ -97,7 +97,21 @@ def test_every_value_of_a_run_reads_back_as_the_jsonl_logger_wrote_it(tmp_path):
     (_, text), = texts(acc, "binding_report")
     assert [line[4:] for line in text.split("\n")] == report.split("\n")  # a Markdown code block
     assert texts(acc, "status") == [(12, "done")] and session_status(acc) == "STATUS_SUCCESS"
-    assert n.loggers[1].finished and jn.backend(n.loggers[1]) is not None  # the (closed) SummaryWriter
+    logger = n.loggers[1]
+    assert logger.finished and jn.backend(logger) is None  # no SummaryWriter was asked for
+    assert logger.path.parent == Path(n.run_dir) and logger.path.name.endswith(".jaxnitro")
+
+
+def test_the_backend_is_a_summarywriter_on_the_run_folder_closed_at_finish(tmp_path):
+    logger = tensorboard_logger.TensorBoardLogger(tmp_path)
+    assert logger.backend is None  # before the first verb
+    logger.log_params({"run_dir": str(tmp_path)})
+    writer = logger.backend
+    assert writer is logger.backend and Path(writer.logdir) == tmp_path
+    writer.add_scalar("extra/weight_norm", 3.5, 2)
+    logger.finish("done")
+    assert logger.backend is writer and writer.file_writer is None  # closed by finish
+    assert scalars(read_events(tmp_path), "extra/weight_norm") == [(2, 3.5)]
 
 
 @pytest.mark.parametrize(
