@@ -55,11 +55,38 @@ def test_the_logger_continues_the_file_and_marks_the_resume(tmp_path):
     assert [ln["step"] for ln in lines if ln["kind"] == "metrics"] == [1, 2] and lines[4]["loss"] == 0.5
 
 
+class Recorder:
+    """A logger object with the optional verbs: records which verb came when."""
+
+    def __init__(self):
+        self.calls = []
+
+    def resume(self, step):
+        self.calls.append(("resume", step))
+
+    def flush(self):
+        self.calls.append(("flush",))
+
+    def log_params(self, params):
+        self.calls.append(("log_params",))
+
+    def log_other(self, key, value):
+        pass
+
+    def log_metrics(self, metrics, *, step, epoch, context):
+        pass
+
+    def finish(self, status):
+        self.calls.append(("finish", status))
+
+
 def test_a_resumed_run_appends_each_step_once_after_a_torn_line(tmp_path):
     """A run whose last checkpoint (step 6) is older than its last logged line (step 12), killed
     while writing a line: the resume drops steps 7..12 and the torn line, and logs them again."""
     keep = jn.Checkpointer(keep=jn.Last(2), asynchronous=False)
-    n = jn.train(Tiny(max_epochs=2), data=tiny_data(), run_dir=tmp_path, checkpointer=keep)
+    fresh = Recorder()
+    n = jn.train(Tiny(max_epochs=2), data=tiny_data(), run_dir=tmp_path, checkpointer=keep, logger=["jsonl", fresh])
+    assert fresh.calls == [("log_params",), ("flush",), ("flush",), ("finish", "done")]  # no resume: a new folder
     folder, path = Path(n.run_dir), Path(n.run_dir) / "metrics.jsonl"
     before = read_jsonl(path)
     shutil.rmtree(folder / "checkpoints" / "12")  # the kill came before epoch 2's checkpoint
@@ -67,9 +94,12 @@ def test_a_resumed_run_appends_each_step_once_after_a_torn_line(tmp_path):
     assert json.loads(lines[-1])["kind"] == "finish"
     path.write_text("\n".join(lines[:-1]) + "\n" + '{"kind": "metrics", "context": "train", "step": 13, "lo')
 
-    resumed = jn.Nitro(Tiny(max_epochs=2), data=tiny_data(), run_dir=tmp_path, resume="auto", checkpointer=keep)
+    recorder = Recorder()
+    resumed = jn.Nitro(Tiny(max_epochs=2), data=tiny_data(), run_dir=tmp_path, resume="auto", checkpointer=keep,
+                       logger=["jsonl", recorder])
     assert (resumed.plan.resumed.step, resumed.plan.resumed.run_folder) == (6, str(folder))
     resumed.train()
+    assert recorder.calls == [("resume", 6), ("log_params",), ("flush",), ("finish", "done")]  # resume comes first
     assert resumed.run_dir == str(folder)
     after = read_jsonl(path)  # the whole file parses
     (mark,) = [ln for ln in after if ln["kind"] == "resume"]
