@@ -8,7 +8,7 @@ Entry point ``orbax``. It
 * saves a checkpoint at each epoch's end (``jaxnitro_epoch_end``) into
   ``<run folder>/checkpoints/<step>`` with an orbax ``CheckpointManager``, keeping the
   union of the ``keep`` policies, written by a worker thread paced by ``min_interval``; at
-  an interrupted, terminated or diverged end it saves the state the run ended with, which
+  an interrupted, preempted or diverged end it saves the state the run ended with, which
   never displaces an epoch-end checkpoint; a run's end (``jaxnitro_run_finish``) writes
   what is held and waits for every save;
 * answers ``jaxnitro_load_weights``: finds the checkpoint(s) a ``weights=`` / ``resume=``
@@ -155,6 +155,16 @@ def _every(instance, attribute, value):
         raise ValueError(f"jaxnitro: Checkpointer(every={value!r}); it must be an integer >= 1 (epochs).")
 
 
+def _every_n_steps(instance, attribute, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"jaxnitro: Checkpointer(every_n_steps={value!r}); it must be an integer >= 1 (optimizer "
+            f"steps between checkpoints), or None to save at epoch ends."
+        )
+
+
 def _min_interval(instance, attribute, value):
     if value == "auto":
         return
@@ -172,7 +182,11 @@ def _min_interval(instance, attribute, value):
 
 @attrs.frozen
 class Checkpointer:
-    """Save a checkpoint at the end of every ``every``-th epoch (and the last), with orbax.
+    """Save a checkpoint at the end of every ``every``-th epoch (and the last), with orbax;
+    or, with ``every_n_steps=N``, every N optimizer steps (mid-epoch too) and at the run's end.
+
+    Every checkpoint is a resume point: ``resume="auto"`` continues from its step, with the
+    data position, the PRNG key and the open history row it recorded.
 
     ``keep``: the policies whose union is kept, e.g. ``(jn.Best(3), jn.Last(1))``; None
     keeps ``(Best(1), Last(1))`` when the experiment has a ``monitor`` hook and a
@@ -190,6 +204,7 @@ class Checkpointer:
     every: int = attrs.field(default=1, validator=_every)
     asynchronous: bool = True
     min_interval: float | str = attrs.field(default="auto", validator=_min_interval)
+    every_n_steps: int | None = attrs.field(default=None, validator=_every_n_steps, kw_only=True)
 
     def policies(self, monitor, validated: bool) -> tuple:
         if self.keep is not None:
@@ -233,6 +248,19 @@ def jaxnitro_run_start(run):
     ckpt = run.settings.checkpointer
     if isinstance(ckpt, Checkpointer):
         _SAVERS[id(run)] = _Saver(run, ckpt)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_step_period(run):
+    ckpt = run.settings.checkpointer
+    return ckpt.every_n_steps if isinstance(ckpt, Checkpointer) else None
+
+
+@hookimpl(trylast=True)
+def jaxnitro_step_boundary(run, step, epoch):
+    saver = _saver(run)
+    if saver is not None:
+        saver.step_boundary(step)
 
 
 @hookimpl(trylast=True)
@@ -463,7 +491,23 @@ class _Saver:
         self.static = self._static_meta()
 
     def due(self, epoch: int) -> bool:
-        return epoch % self.ckpt.every == 0 or epoch >= self.run.settings.max_epochs
+        """Whether epoch ``epoch``'s end is saved (never with ``every_n_steps``: steps decide)."""
+        if self.ckpt.every_n_steps is not None:
+            return False
+        last = self.run.settings.max_epochs
+        return epoch % self.ckpt.every == 0 or (last is not None and epoch >= last)
+
+    def step_boundary(self, step: int) -> None:
+        """``every_n_steps``: save the state after ``step`` when it is a multiple of N (its
+        row's metrics go with it when a row closed there)."""
+        n = self.ckpt.every_n_steps
+        if n is None or step % n:
+            return
+        self.raise_failed()
+        nitro = self.run.nitro
+        rows = nitro.rows
+        row = rows[-1] if rows and rows[-1].get("step") == step else None
+        self.submit(_copy(nitro.state), row, end=None)
 
     def epoch_trained(self, epoch: int, step: int) -> None:
         if not self.validated and self.due(epoch):
@@ -485,7 +529,7 @@ class _Saver:
             row = rows[-1] if rows and rows[-1].get("step") == state.step else None
             if status == "done" and row is not None and math.isfinite(row.get("train_loss", 0.0)):
                 self.submit(state, row, end=None)  # the last epoch, when `every` skipped it
-            elif status in ("interrupted", "terminated", "diverged") and state.step > self.start_step:
+            elif status in ("interrupted", "preempted", "diverged") and state.step > self.start_step:
                 self.submit(state, row if status != "diverged" else None, end=status)
         finally:
             self.snapshots.clear()
@@ -678,7 +722,16 @@ class _Saver:
                               "batches_into_epoch": (step % spe) * self.run.nitro.settings.accum},
             "metrics": jsonable(dict(row), strict=False) if row is not None else None,
             "end": end,
+            "progress": {"open_row": self._open_row(step, row, end)},
         }
+
+    def _open_row(self, step: int, row, end) -> list | None:
+        """The read scalars of the history row open at ``step`` (empty at a row's end; None
+        for a diverged end, which is no resume point)."""
+        if end == "diverged" or (row is not None and row.get("step") == step):
+            return [] if end != "diverged" else None
+        open_row = self.run.open_row
+        return open_row(step) if callable(open_row) else None
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -904,11 +957,9 @@ def _select(folder: _RunFolder, which, monitor, purpose, spec, run_dir) -> list[
             meta = folder.meta(s)
             if meta.get("end") == "diverged":
                 continue
-            if which == "resume" and not meta.get("epoch_complete", True):
-                continue
             return [s]
         raise _not_found(f"run {folder.path.name!r} has no checkpoint to {'resume' if which == 'resume' else 'load'} "
-                         f"(only diverged or mid-epoch ones)", run_dir)
+                         f"(only diverged ones)", run_dir)
     policy = which.of if isinstance(which, Average) else which
     if isinstance(policy, Last):
         ends = [s for s in steps if folder.meta(s).get("end") is None]
@@ -1023,9 +1074,9 @@ def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
         for s in steps[:-1]:
             items = tuple(i for i in items if i in folder.meta(s).get("items", ()))
     # a run continues its folder unless a later checkpoint it could have continued from exists
-    # (a mid-epoch or diverged one is a dead end that the continued run supersedes)
+    # (a diverged one is a dead end that the continued run supersedes)
     later = [s for s in folder.steps if s > steps[-1]]
-    continues = all(not folder.meta(s).get("epoch_complete", True) or folder.meta(s).get("end") == "diverged" for s in later)
+    continues = all(folder.meta(s).get("end") == "diverged" for s in later)
     return WeightsRecord(
         source=_describe(folder, steps, which, meta, monitor),
         path=folder.step_path(steps[-1]),

@@ -19,12 +19,14 @@ from .export import load_exported
 from .handle import Nitro, train
 from .history import MetricHistory
 from .hookspecs import hookimpl, hookspec
+from .interrupts import PREEMPTED_EXIT_CODE, Preempted, Terminated
 from .knobs import Settings
 from .logger import backend, logger_info
 from .manual import Optimizers
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
+from . import sources as _sources  # noqa: F401 - installs the loader adapter the prefetch wrappers use
 from .weights import EMA
 from .progress import progress_note, progress_reporter, with_progress_note
 
@@ -43,11 +45,14 @@ __all__ = [
     "Nitro",
     "NoPrefetch",
     "Optimizers",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "PrefetchIterator",
     "RunContext",
     "Settings",
     "StepStretch",
     "StrippedHost",
+    "Terminated",
     "backend",
     "cache_stats",
     "check_batch_at",

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 
 from .prefetch import NoPrefetch, PrefetchIterator, is_addressable
+from .prefetch.contract import adapted
+from .prefetch.failures import SourceLengthError, failure_error
 
 __all__ = [
     "batch_width", "check_batch_first", "check_is_dict", "pad_batch", "slice_outputs", "peek",
@@ -133,11 +135,30 @@ def peek(source, epoch: int = 1):
         first = src[0]
     elif is_addressable(src):
         src.begin_epoch(epoch)
-        first = src.batch_at(0)
+        first = _read_at(source, 0, epoch, "first")
     else:
-        first = next(iter(src))
+        split = getattr(source, "split", None)
+        try:
+            first = next(iter(src))
+        except StopIteration:
+            raise SourceLengthError(split, len(src), 0, epoch) from None
+        except Exception as exc:  # noqa: BLE001 - said naming the split, the user's error as the cause
+            raise failure_error(0, exc, epoch, "iterating the source", split,
+                                when=" (setup's read of its first batch)") from exc
     check_is_dict(first, f"first batch of {split_name(source)}")
     return first
+
+
+def _read_at(source, i: int, epoch: int, which: str):
+    """``batch_at(i)`` of the wrapped ``source``'s own source, at setup: a failure is a
+    ``PrefetchError`` naming the split (``SourceLengthError`` for an ``IndexError`` below
+    ``len()``: the source's ``len()`` and its batches disagree), the source's error its cause."""
+    src = unwrap(source)
+    try:
+        return src.batch_at(i)
+    except Exception as exc:  # noqa: BLE001 - said naming the split, the user's error as the cause
+        raise failure_error(i, exc, epoch, f"batch_at({i})", getattr(source, "split", None), len(src),
+                            when=f" (setup's read of its {which} batch)") from exc
 
 
 def split_name(source) -> str:
@@ -153,21 +174,17 @@ def last_batch(source, epoch: int = 1):
         return src[-1]
     if is_addressable(src):
         src.begin_epoch(epoch)
-        return src.batch_at(len(src) - 1)
+        return _read_at(source, len(src) - 1, epoch, "last")
     return None
 
 
 def wrap_split(source, split: str):
     """Wrap a split in a PrefetchIterator unless it already is one (or NoPrefetch)."""
+    if isinstance(source, (PrefetchIterator, NoPrefetch)):  # adapted when it was built
+        return _named(source, split)
+    source = adapted(source, split)  # a plugin knows this loader type (grain, torch, ...)
     if isinstance(source, (PrefetchIterator, NoPrefetch)):
         return _named(source, split)
-    from .plugin_manager import first_result
-
-    adapted = first_result("jaxnitro_adapt_source", source=source, split=split)
-    if adapted is not None:  # a plugin knows this loader type (grain, torch, ...)
-        source = adapted
-        if isinstance(source, (PrefetchIterator, NoPrefetch)):
-            return _named(source, split)
     if isinstance(source, Mapping):
         raise TypeError(
             f"jaxnitro: split `{split}` is a single dict; a split is a source of batches (an "
@@ -187,6 +204,8 @@ def _named(wrapper, split: str):
     """Give ``wrapper`` its split's name (for messages) unless it has one already."""
     if getattr(wrapper, "split", None) is None:
         wrapper.split = split
+    if isinstance(wrapper, PrefetchIterator):
+        wrapper.warn_one_producer(wrapper.split)
     return wrapper
 
 

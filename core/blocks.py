@@ -73,7 +73,8 @@ class ColumnBlocks:
     """The train fields of a column source, on the device; blocks and single batches by row.
 
     ``device`` is ``{field: device array}`` (the ``columns`` argument of ``train_block``).
-    ``block(epoch, b, count)`` is block ``b`` of ``epoch`` (batches ``b * k * accum`` on) as
+    ``block(epoch, i, count)`` is the block of ``epoch`` from batch ``i`` on (a segment
+    starts anywhere: after a cut, or at a resumed run's position) as
     ``{ROWS: [k, accum, batch] int32}``, with ``KEY_COUNT`` ``[k, accum]`` micro-batch
     numbers from ``count`` when ``keyed``; ``batch(epoch, i, count)`` is batch ``i`` on
     the host, for the epoch's remainder steps.
@@ -107,9 +108,10 @@ class ColumnBlocks:
             self._epoch, self._rows = epoch, np.asarray(self.order(epoch), np.int32)
         return self._rows
 
-    def block(self, epoch: int, b: int, count: int) -> dict:
+    def block(self, epoch: int, index: int, count: int) -> dict:
+        """The ``k * accum`` batches of ``epoch`` from batch ``index`` on, as row numbers."""
         size = self.k * self.accum
-        rows = self._epoch_rows(epoch)[b * size * self.width : (b + 1) * size * self.width]
+        rows = self._epoch_rows(epoch)[index * self.width : (index + size) * self.width]
         block = {ROWS: rows.reshape(self.k, self.accum, self.width)}
         if self.keyed:
             block[KEY_COUNT] = np.arange(count, count + size, dtype=np.uint32).reshape(self.k, self.accum)

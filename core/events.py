@@ -31,6 +31,11 @@ class RunContext:
     - ``settings``: the resolved run knobs (:class:`jaxnitro.Settings`);
     - ``loggers``: the run's logger objects, in the order they were made;
     - ``stop_reason``: set by :meth:`request_stop`;
+    - ``open_row``: set by the loop: ``open_row(step)`` is the read per-step scalars of the
+      history row still open at ``step`` (its steps after the last closed row, up to
+      ``step``), or None when not all are read; a checkpoint keeps it, so that a run
+      resumed from that step averages the row over all of its steps;
+    - ``time_limit_reached``: set when ``max_time`` ended the run;
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
     """
@@ -39,6 +44,8 @@ class RunContext:
     run_dir: str
     loggers: list = field(default_factory=list)
     stop_reason: str | None = None
+    open_row: object = None
+    time_limit_reached: bool = False
     start_step: int = field(init=False, default=0)
 
     def __post_init__(self):

@@ -23,7 +23,7 @@ from .sources import batches_of, release_sources
 from .describe import describe
 from .events import emit
 from .history import MetricHistory
-from .interrupts import Terminated, stop_signals
+from .interrupts import Preempted, stop_signals
 from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
 from .knobs import Settings
@@ -88,7 +88,7 @@ class Nitro:
             check_stop()  # a Ctrl-C that a hook swallowed still ends setup
             self.record.status = "ready"
             ok = True
-        except (KeyboardInterrupt, Terminated):
+        except (KeyboardInterrupt, Preempted):
             consume_stop()
             raise
         finally:
@@ -235,7 +235,7 @@ class Nitro:
             monitor=self.settings.monitor,
             title=f"history of {type(self.experiment).__name__}",
             run_dir=self.run_dir,
-            total_epochs=self.settings.max_epochs,
+            total_epochs=self.settings.max_epochs,  # None for a run bounded by max_steps alone
             resumed_from=self.plan.resumed.epoch if self.plan.resumed is not None else None,
         )
 

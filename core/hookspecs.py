@@ -216,7 +216,13 @@ class ExtensionSpec:
 
     @hookspec(firstresult=True)
     def jaxnitro_adapt_source(self, source, split):
-        """Return a jaxnitro source wrapping a foreign loader, or ``None`` if not yours."""
+        """Return a jaxnitro source wrapping a foreign loader, or ``None`` if not yours.
+
+        Asked for every split the framework wraps, and by ``PrefetchIterator`` /
+        ``NoPrefetch`` for the source they are given, so a loader is adapted
+        whether or not the user wraps it; ``split`` is then ``None`` (the wrapper
+        is named later) and is ``"predict"`` for what ``predict`` reads.
+        """
 
     @hookspec(firstresult=True)
     def jaxnitro_make_progress_reporter(self, name):
@@ -346,17 +352,34 @@ class LifecycleSpec:
 
     @hookspec
     def jaxnitro_epoch_end(self, run, row):
-        """An epoch is complete: ``row`` is its history row (``epoch``, ``step``,
-        ``train_loss`` and the validation metrics, when validated).
+        """A history row is complete: ``row`` holds ``epoch``, ``step``, ``train_loss`` and
+        the validation metrics, when validated. Rows follow epochs; with
+        ``val_every_n_steps`` they follow validations (mid-epoch too, keyed by ``step``),
+        and the run's last step closes one either way.
 
-        Early stopping subscribes here and calls ``run.request_stop(reason)``.
+        Early stopping subscribes here and calls ``run.request_stop(reason)``; so it counts
+        validations, whichever way they are scheduled.
         """
+
+    @hookspec
+    def jaxnitro_step_period(self, run):
+        """Every how many optimizer steps this plugin wants to see the run's state
+        (``jaxnitro_step_boundary``), or None. Asked once at run start, of every plugin;
+        the loop ends a dispatch at each multiple of every answer (a checkpointer with
+        ``every_n_steps=N`` answers N)."""
+
+    @hookspec
+    def jaxnitro_step_boundary(self, run, step, epoch):
+        """The run reached optimizer step ``step`` (of epoch ``epoch``), a multiple of a
+        period some plugin asked for: every step up to it has been read and logged, a row
+        closing there has been validated and emitted, and ``run.nitro.state`` is the state
+        after that step (copy it to keep it: the next step donates its buffers)."""
 
     @hookspec
     def jaxnitro_run_finish(self, run, status):
         """The run ended with ``status``: ``"done"``, ``"diverged"``, ``"interrupted"``
-        (Ctrl-C), ``"terminated"`` (SIGTERM) or ``"failed"``. Called whatever happened,
-        after the last event."""
+        (Ctrl-C), ``"preempted"`` (SIGTERM, or ``max_time`` reached) or ``"failed"``. Called
+        whatever happened, after the last event."""
 
     @hookspec
     def jaxnitro_setup_step(self, experiment, step):

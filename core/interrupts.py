@@ -4,8 +4,8 @@ A KeyboardInterrupt raised at an arbitrary bytecode can land inside a train-step
 call whose input buffers were donated: the handle would then hold deleted
 arrays. While :func:`stop_signals` is active (``Nitro(...)`` setup and
 ``train()``), SIGINT and SIGTERM run a handler that records the request
-(``"interrupted"`` or ``"terminated"``) and, outside a :func:`deferring` block,
-raises at once (:class:`KeyboardInterrupt` / :class:`Terminated`). Inside one
+(``"interrupted"`` or ``"preempted"``) and, outside a :func:`deferring` block,
+raises at once (:class:`KeyboardInterrupt` / :class:`Preempted`). Inside one
 (the train loop's dispatch), the loop sees :attr:`StopRequest.status` after the
 step in flight, finishes cleanly (reads and logs the steps already computed,
 publishes the state) and then raises. A second signal during a deferred
@@ -23,29 +23,40 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["Terminated", "StopRequest", "stop_signals", "deferring", "immediate", "check", "consume", "request"]
+__all__ = ["Preempted", "Terminated", "PREEMPTED_EXIT_CODE", "StopRequest", "stop_signals", "deferring", "immediate", "check", "consume", "request"]
 
 
-class Terminated(SystemExit):
-    """Raised by ``train()`` after a SIGTERM ended the run cleanly (status ``"terminated"``).
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+"""143: the exit code of a process whose run was preempted (SIGTERM, or ``max_time`` reached)."""
 
-    A ``SystemExit`` with code 143 (128 + SIGTERM): uncaught, the process exits
-    with the code a batch scheduler expects, after the log is finished.
+
+class Preempted(SystemExit):
+    """Raised by ``train()`` after a SIGTERM or the ``max_time`` limit ended the run cleanly
+    (status ``"preempted"``): the step in flight finished, a resumable checkpoint was written
+    (with a checkpointer), every logger was finished.
+
+    A ``SystemExit`` with code :data:`PREEMPTED_EXIT_CODE` (143 = 128 + SIGTERM): uncaught,
+    the process exits with that code and no traceback, which a job script reads to requeue
+    the job (``resume="auto"`` then continues exactly).
     """
 
     def __init__(self):
-        super().__init__(128 + signal.SIGTERM)
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+
+Terminated = Preempted
+"""The earlier name of :class:`Preempted`."""
 
 
 class StopRequest:
-    """The pending stop: ``status`` is None, ``"interrupted"`` or ``"terminated"``."""
+    """The pending stop: ``status`` is None, ``"interrupted"`` or ``"preempted"``."""
 
     def __init__(self):
         self.status: str | None = None
         self.defer = 0
 
     def exception(self) -> BaseException:
-        return Terminated() if self.status == "terminated" else KeyboardInterrupt()
+        return Preempted() if self.status == "preempted" else KeyboardInterrupt()
 
 
 request = StopRequest()
@@ -56,7 +67,7 @@ _previous: dict = {}
 
 
 def _handler(signum, frame):
-    status = "terminated" if signum == signal.SIGTERM else "interrupted"
+    status = "preempted" if signum == signal.SIGTERM else "interrupted"
     repeated = request.status is not None
     request.status = request.status or status
     if request.defer == 0 or repeated:

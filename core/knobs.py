@@ -32,6 +32,9 @@ KNOB_DEFAULTS: dict[str, object] = {
     "accum": 1,
     "steps_per_dispatch": 1,
     "max_epochs": 10,
+    "max_steps": None,
+    "val_every_n_steps": None,
+    "max_time": None,
     "schedules": None,
     "gradient_clip_norm": 0.0,
     "check_divergence": True,
@@ -49,8 +52,8 @@ PLUGIN_KNOBS = ("early_stop", "checkpointer")
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
 
-SCALAR_KNOBS = ("seed", "accum", "steps_per_dispatch", "max_epochs", "gradient_clip_norm", "check_divergence",
-                "autolog_schedules", "log_every_n_steps", "n_devs", "run_dir")
+SCALAR_KNOBS = ("seed", "accum", "steps_per_dispatch", "max_epochs", "max_steps", "val_every_n_steps", "max_time",
+                "gradient_clip_norm", "check_divergence", "autolog_schedules", "log_every_n_steps", "n_devs", "run_dir")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class Settings:
     n_devs: int | None
     accum: int
     steps_per_dispatch: int
-    max_epochs: int
+    max_epochs: int | None
     schedules: dict
     gradient_clip_norm: float
     check_divergence: bool
@@ -147,6 +150,15 @@ class Settings:
     ema: object
     monitor: tuple[str, str] | None
     knobs: dict
+    max_steps: int | None = None
+    val_every_n_steps: int | None = None
+    max_time: float | None = None
+
+    @property
+    def step_budgeted(self) -> bool:
+        """Whether the run is counted in steps (``max_steps`` given): the progress bar and
+        ``print(nitro)`` then speak in steps."""
+        return self.max_steps is not None
 
     def source(self, name: str) -> str:
         """Where knob ``name``'s value came from: keyword, accessor, field or default."""
@@ -178,8 +190,16 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
 
     for name in ("accum", "steps_per_dispatch", "max_epochs", "log_every_n_steps"):
         v, low = knobs[name].value, (0 if name == "max_epochs" else 1)
+        if name == "max_epochs" and v is None and knobs["max_steps"].value is not None:
+            continue  # the steps alone bound the run
         if not _is_int(v) or v < low:
-            refuse(name, f"it must be an integer >= {low}.")
+            refuse(name, f"it must be an integer >= {low}" + (" (or None with max_steps)." if name == "max_epochs" else "."))
+    for name, what in (("max_steps", "the optimizer steps the run takes"),
+                       ("val_every_n_steps", "validate every that many optimizer steps")):
+        v = knobs[name].value
+        if v is not None and (not _is_int(v) or v < 1):
+            refuse(name, f"it must be an integer >= 1 ({what}), or None.")
+    max_time_seconds(knobs["max_time"].value, knobs["max_time"].source)
     seed = knobs["seed"].value
     if not _is_int(seed) or not -(2**63) <= seed < 2**63:
         refuse("seed", "it must be an integer in JAX's 64-bit range (e.g. `seed=1`); a float or a "
@@ -192,6 +212,39 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
     for name in ("check_divergence", "autolog_schedules"):
         if not isinstance(knobs[name].value, (bool, np.bool_)):
             refuse(name, "it must be True or False (a string such as \"False\" is true in Python).")
+
+
+def max_time_seconds(value, source: str = "keyword") -> float | None:
+    """``max_time`` in seconds: None, a number of seconds > 0, or a wall-clock string
+    ``"HH:MM:SS"`` / ``"D-HH:MM:SS"`` (Slurm's ``--time`` format; ``"MM:SS"`` too).
+
+    ``ValueError`` naming the knob, its source and the accepted forms otherwise.
+    """
+    if value is None:
+        return None
+    seconds = None
+    if _is_real(value):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
+        parts = clock.split(":")
+        try:
+            if days.isdigit() and 1 <= len(parts) <= 3 and all(p.strip().isdigit() for p in parts):
+                numbers_ = [int(p) for p in parts]
+                while len(numbers_) < 3:
+                    numbers_.insert(0, 0)
+                h, m, s = numbers_
+                seconds = float(int(days) * 86400 + h * 3600 + m * 60 + s) if m < 60 and s < 60 else None
+        except ValueError:
+            seconds = None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"jaxnitro: run knob `max_time` = {value!r} ({source}); give the wall-clock time the run "
+            f"may take: seconds > 0 (e.g. 3600), or \"HH:MM:SS\" / \"D-HH:MM:SS\" (e.g. \"23:30:00\"), "
+            f"or None for no limit."
+        )
+    return seconds
 
 
 def check_learning_rate(value, source: str) -> float:
@@ -238,7 +291,12 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         n_devs=k["n_devs"],
         accum=int(k["accum"]),
         steps_per_dispatch=int(k["steps_per_dispatch"]),
-        max_epochs=int(k["max_epochs"]),
+        # with max_steps and no max_epochs of the user's, the steps alone end the run
+        max_epochs=(None if k["max_steps"] is not None and (knobs["max_epochs"].source == "default" or k["max_epochs"] is None)
+                    else int(k["max_epochs"])),
+        max_steps=None if k["max_steps"] is None else int(k["max_steps"]),
+        val_every_n_steps=None if k["val_every_n_steps"] is None else int(k["val_every_n_steps"]),
+        max_time=max_time_seconds(k["max_time"], knobs["max_time"].source),
         schedules=k["schedules"] or {},
         gradient_clip_norm=float(k["gradient_clip_norm"] or 0.0),
         check_divergence=bool(k["check_divergence"]),

@@ -6,8 +6,8 @@ A logger is any object with the verbs the framework calls (no base class):
 optionally ``info()`` (identifying parameters), ``backend`` (a wrapped
 tracker object), ``resume(step)`` (the run continues an existing run folder from
 optimizer step ``step``: called once, before any other verb of the run) and
-``flush()`` (push what is buffered to its destination: called at each epoch's end,
-before the checkpointer saves). The ``logger`` run knob is a name (made by the
+``flush()`` (push what is buffered to its destination: called at each history row's
+end and each step boundary, before the checkpointer saves). The ``logger`` run knob is a name (made by the
 ``jaxnitro_make_logger`` hook), a logger object, a list of those (several
 loggers at once), or ``None``. Left unset, the ``jaxnitro_default_logger``
 hook names it; the core names no logger.
@@ -17,8 +17,9 @@ that turns lifecycle events into verbs: ``params`` and the binding report at
 run start (preceded by ``resume(step)`` when the run continues an existing run
 folder and the logger has that verb), a ``train`` line per step (every
 ``log_every_n_steps``-th) per stretch read, a ``data`` line per epoch trained, a
-``validate`` line per validation, ``flush()`` at each epoch's end (when the logger
-has it), ``finish(status)`` at the end.
+``validate`` line per validation, ``flush()`` at each history row's end and each step
+boundary a plugin asked for (a checkpointer's ``every_n_steps``), when the logger has it,
+``finish(status)`` at the end.
 """
 
 from __future__ import annotations
@@ -220,12 +221,20 @@ class LoggerRelay:
         if self._mine(run):
             self._call("log_metrics", dict(stats), step=step, epoch=epoch, context="data")
 
-    @hookimpl(tryfirst=True)
-    def jaxnitro_epoch_end(self, run, row):
-        # before the checkpointer saves (it subscribes here too, trylast): every line up to the
-        # checkpoint's step is out before the checkpoint exists, so a resume from it finds them
+    def _flush(self, run) -> None:
         if self._mine(run) and self.failed is None and callable(getattr(self.logger, "flush", None)):
             self._call("flush")
+
+    # before the checkpointer saves (it subscribes to both, trylast): every line up to a
+    # checkpoint's step is out before the checkpoint exists, so a resume from it finds them
+
+    @hookimpl(tryfirst=True)
+    def jaxnitro_epoch_end(self, run, row):
+        self._flush(run)
+
+    @hookimpl(tryfirst=True)
+    def jaxnitro_step_boundary(self, run, step, epoch):
+        self._flush(run)
 
     @hookimpl
     def jaxnitro_split_evaluated(self, run, split, metrics, context):

@@ -29,6 +29,7 @@ from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
 from .optim import build_optimizer_spec, init_opt_state, with_ema
 from .plugin_manager import resolve_hooks
+from .prefetch.contract import bind_seed
 from .programs import ProgramSet, split_model
 from .progress import SetupSteps
 from .evaluation import check_eval_splits
@@ -75,7 +76,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     dist = make_dist(settings.n_devs)
     record = find_record(e, kwargs, settings.run_dir, _monitor(e, hooks))  # weights= / resume= checkpoints
     steps.to("building data")
-    data, e, derived = _load_data(e, hooks, kwargs, steps, record, dist)
+    data, e, derived = _load_data(e, hooks, kwargs, steps, record, dist, settings.seed)
     steps.to("checking splits")
     plan = _check_splits(hooks, data, settings)
     plan.derived = derived
@@ -127,9 +128,10 @@ def _settings(e, kwargs: dict) -> Settings:
     return dataclasses.replace(_knobs.make_settings(knobs, logger=logger, monitor=None), n_devs=n_devs)
 
 
-def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None, dist=None):
+def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None, dist=None, seed: int = 0):
     """Take ``data=`` or call ``build_data`` (with ``dist`` in a multi-process job, else None);
-    take each split's part for this process; wrap each split; run ``derive`` (or, with weights
+    take each split's part for this process; wrap each split; hand each split's source the
+    run's ``seed`` (``bind_seed``, when it defines it); run ``derive`` (or, with weights
     from a checkpoint ``record``, restore the values it derived). Returns ``(data, experiment
     with the derived values merged, the derived values)`` (host values)."""
     if kwargs.get("data") is not None:
@@ -145,6 +147,8 @@ def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None, dis
     if not isinstance(raw, Mapping):
         raise TypeError(f"jaxnitro: the data must be a dict {{split: source}}, got {type(raw).__name__}.")
     data = {str(s): wrap_split(split_for_process(src, str(s), dist), str(s)) for s, src in raw.items()}
+    for src in data.values():  # an unseeded shuffling source draws its order from the run's seed
+        bind_seed(unwrap(src), seed)
     if record is not None:  # the record's derived values, and `derive` is skipped
         derived = derived_values(e, record)
         return data, attrs.evolve(e, **derived), derived

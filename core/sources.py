@@ -17,15 +17,25 @@ import numpy as np
 
 from .plugin_manager import first_result
 from .prefetch import is_addressable
+from .prefetch.contract import adapted, use_adapter
 
-__all__ = ["as_batch", "batches_of", "check_fields", "release_sources"]
+__all__ = ["adapt_source", "as_batch", "batches_of", "check_fields", "release_sources"]
+
+
+def adapt_source(source, split: str | None):
+    """What a plugin's ``jaxnitro_adapt_source`` makes of ``source`` (a foreign loader), or None.
+
+    Installed as the prefetch wrappers' adapter (``jaxnitro.prefetch.contract.use_adapter``), so
+    ``PrefetchIterator(loader)`` and ``NoPrefetch(loader)`` adapt the loader too."""
+    return first_result("jaxnitro_adapt_source", source=source, split=split)
+
+
+use_adapter(adapt_source)
 
 
 def batches_of(source, split: str) -> Iterator:
     """The batches of ``source`` in order (adapted first when a plugin knows its type)."""
-    adapted = first_result("jaxnitro_adapt_source", source=source, split=split)
-    if adapted is not None:
-        source = adapted
+    source = adapted(source, split)
     if is_addressable(source) and not isinstance(source, (list, tuple)):
         source.begin_epoch(0)
         return (source.batch_at(i) for i in range(len(source)))

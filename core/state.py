@@ -134,9 +134,11 @@ class ResumePoint:
     """Where a resumed handle continues: the checkpoint, its run folder and position.
 
     ``continue_folder`` is True when no later checkpoint of its run could be continued
-    from (later ones, if any, are mid-epoch or diverged): the run then continues that
-    folder (its ``metrics.jsonl``, its checkpoints); otherwise (an earlier checkpoint,
-    e.g. ``restore_best``) it branches into a new folder.
+    from (later ones, if any, diverged): the run then continues that folder (its
+    ``metrics.jsonl``, its checkpoints); otherwise (an earlier checkpoint, e.g.
+    ``restore_best``) it branches into a new folder. ``open_row`` is the read per-step
+    scalars of the history row open at ``step`` (the checkpoint was saved between rows),
+    so the resumed run closes that row over all of its steps; None or empty at a row's end.
     """
 
     path: str
@@ -144,6 +146,7 @@ class ResumePoint:
     step: int
     epoch: int
     continue_folder: bool
+    open_row: list | None = None
 
 
 @dataclass
@@ -151,7 +154,7 @@ class RunRecord:
     """What a handle's run leaves behind.
 
     ``status``: ``"setup"``, ``"ready"``, ``"running"``, then ``"done"``,
-    ``"diverged"``, ``"interrupted"``, ``"terminated"`` or ``"failed"``; ``stop_reason``: why a run
+    ``"diverged"``, ``"interrupted"``, ``"preempted"`` or ``"failed"``; ``stop_reason``: why a run
     ended before ``max_epochs``; ``rows``: one history row per epoch; ``run_dir``:
     the run's folder; ``loggers``: the run's loggers; ``diverged_at``:
     ``(step, epoch)`` of the first non-finite loss; ``problems``: what went wrong

@@ -427,18 +427,13 @@ def install_weights(state, plan, record: WeightsRecord):
 def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
     """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
     epoch and PRNG key from the record; the optimizer state must already be built
-    (its structure is the restore target)."""
+    (its structure is the restore target). Any checkpoint is a resume point, at an epoch's
+    end or in its middle: the loop continues from its step (the data position follows from
+    it: the epoch and the next batch of a source with ``len()``)."""
     from .optim import EmaState, join_ema, rule_state_of, split_ema
     from .state import ResumePoint
 
     meta = record.metadata
-    if not meta.get("epoch_complete", True):
-        raise ValueError(
-            f"jaxnitro: the checkpoint {record.path} was saved in the middle of epoch {meta.get('epoch')} "
-            f"(step {meta.get('step')}, at an {meta.get('end') or 'interrupted'} end); a run continues "
-            f"from an epoch's end. Resume from the run's newest epoch-end checkpoint (`resume='auto'` "
-            f"picks it), or take only its weights with `weights=`."
-        )
     saved_spe = meta.get("steps_per_epoch")
     if steps_per_epoch is not None and saved_spe is not None and saved_spe != steps_per_epoch:
         raise ValueError(
@@ -475,7 +470,8 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     if meta.get("rng"):
         rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
     step, epoch = int(meta["step"]), int(meta["epoch"])
-    plan.resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run))
+    open_row = (meta.get("progress") or {}).get("open_row")
+    plan.resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run), open_row)
     optimizer = "" if "opt_state" in got or opt_state is None else ", fresh optimizer state"
     plan.weights_from = f"resumed from {record.source}{optimizer}"
     plan.weights_meta = dict(record.metadata)

@@ -436,3 +436,9 @@ def jaxnitro_make_logger(name, run_dir, experiment):
 def jaxnitro_default_logger():
     """The default logger of a run whose ``logger`` knob is not set: ``"jsonl"``."""
     return "jsonl"
+
+
+@hookimpl(trylast=True)
+def jaxnitro_exports():
+    """``jn.read_jsonl`` and ``jn.JSONLLogger``."""
+    return {"read_jsonl": read_jsonl, "JSONLLogger": JSONLLogger}

@@ -91,6 +91,7 @@ RUN_STATUS = {
     "failed": "FAILED",
     "interrupted": "KILLED",
     "terminated": "KILLED",
+    "preempted": "KILLED",
 }
 """A jaxnitro run status -> the MLflow run status it ends with (anything else: ``FAILED``)."""
 

@@ -75,6 +75,7 @@ SESSION_STATUS = {
     "failed": "STATUS_FAILURE",
     "interrupted": "STATUS_FAILURE",
     "terminated": "STATUS_FAILURE",
+    "preempted": "STATUS_FAILURE",
 }
 """A run status -> the HParams session end status (anything else: ``STATUS_UNKNOWN``). The
 HParams protocol knows no "aborted": every run that did not end ``done`` is a failure there,

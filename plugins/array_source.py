@@ -21,9 +21,12 @@ unsorted permutation would, so it changes no statistics. A memory-mapped field
 batch copies only its rows, in the producer thread, so a data set larger than
 memory streams.
 
-The source does not know the run's ``seed`` knob: its shuffle depends only on
-its own ``seed`` argument, :data:`DEFAULT_SEED` (0) when not given. Pass the
-seed you want reproduced (``seed=self.data_seed`` from an experiment field).
+**Seed.** A source built without ``seed=`` takes its order from the run's
+``seed`` knob: jaxnitro calls :meth:`ArraySource.bind_seed` once at setup, so
+``jn.train(e, seed=1)`` and ``seed=0`` read different orders (and the default
+run seed 0 reads the order of :data:`DEFAULT_SEED`). An explicit ``seed=`` wins:
+the order then stays the same whatever the run's seed (``seed=self.data_seed``
+from an experiment field fixes the data order while a sweep varies the rest).
 """
 
 from __future__ import annotations
@@ -78,9 +81,11 @@ class ArraySource:
     - ``shuffle``: a new row order every epoch (default ``False``: rows in order).
     - ``drop_last``: drop a final batch shorter than ``batch_size`` (default
       ``False``). The ``train`` split must drop it; evaluation splits may keep it.
-    - ``seed``: the shuffle seed, an int >= 0; ``None`` (default) is
-      :data:`DEFAULT_SEED`. Epoch ``e`` uses ``default_rng((seed, e))``, so two
-      sources with the same seed give the same epochs and every epoch differs.
+    - ``seed``: the shuffle seed, an int >= 0; ``None`` (default): the run's
+      ``seed`` knob once jaxnitro sets the run up (:meth:`bind_seed`),
+      :data:`DEFAULT_SEED` until then. Epoch ``e`` uses
+      ``default_rng((seed, e))``, so two sources with the same seed give the same
+      epochs and every epoch differs.
 
     ``len()`` is the number of batches per epoch. Before the first
     ``begin_epoch`` the plan is epoch 0's. Batches of an unshuffled in-memory
@@ -109,6 +114,9 @@ class ArraySource:
             raise ValueError("ArraySource: fields must be a non-empty dict {field name: array}")
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seed = DEFAULT_SEED if seed is None else _check_int("seed", seed, 0)
+        self.seed_from = "the run's seed" if seed is None else "seed="
+        """Where :attr:`seed` comes from: ``"seed="`` (given: :meth:`bind_seed` leaves it) or
+        ``"the run's seed"`` (bound at setup)."""
         if not isinstance(shuffle, bool) or not isinstance(drop_last, bool):
             raise TypeError(
                 f"ArraySource: shuffle and drop_last must be True or False, got "
@@ -202,6 +210,19 @@ class ArraySource:
         head.sort(axis=1)  # in place: each batch's rows ascending (a forward read of a memmap)
         perm[full * b :].sort()
         return perm
+
+    def bind_seed(self, seed: int) -> None:
+        """Take the run's ``seed`` as the shuffle seed, unless ``seed=`` was given.
+
+        jaxnitro calls it once at setup, before any epoch is read (the source contract's
+        optional ``bind_seed``). A negative run seed is taken modulo 2**64 (NumPy seeds are
+        non-negative); 0 is :data:`DEFAULT_SEED`. The current epoch's plan is redrawn."""
+        if self.seed_from == "seed=":
+            return
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"ArraySource.bind_seed: the seed must be an int, got {seed!r}")
+        self.seed = int(seed) % 2**64
+        self.begin_epoch(self.epoch)
 
     def begin_epoch(self, epoch: int) -> None:
         """Fix epoch ``epoch``'s plan (a function of ``(seed, epoch)`` only)."""

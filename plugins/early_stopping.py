@@ -9,7 +9,10 @@ saying why.
 
 A policy is any object with ``should_stop(epoch, value, mode) -> bool``
 (optionally ``reset()``, called at run start, and ``patience`` for the
-message). Host-side: nothing here is part of a compiled program.
+message). This plugin acts only on a value it accepted itself: a policy
+another plugin took charge of (its ``jaxnitro_accept_knob`` answered first)
+is that plugin's to apply. Host-side: nothing here is part of a compiled
+program.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 
 import attrs
 
@@ -25,6 +29,9 @@ from jaxnitro.hookspecs import hookimpl
 from jaxnitro.knobs import require_monitor_and_val
 
 __all__ = ["EarlyStopping"]
+
+_accepted: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""handle -> the ``early_stop`` value this plugin accepted for it (and so applies)."""
 
 
 @attrs.define
@@ -93,12 +100,19 @@ def jaxnitro_accept_knob(name, value, nitro):
             f"or an object with `should_stop(epoch, value, mode) -> bool`, or None."
         )
     require_monitor_and_val(nitro, "early_stop", "stops on the monitored metric", "drop early_stop")
+    _accepted[nitro] = value
     return True
+
+
+def _own_policy(run):
+    """The run's ``early_stop`` policy if this plugin accepted it, else None."""
+    policy = run.settings.early_stop
+    return policy if policy is not None and _accepted.get(run.nitro) is policy else None
 
 
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
-    policy = run.settings.early_stop
+    policy = _own_policy(run)
     if policy is not None and callable(getattr(policy, "reset", None)):
         policy.reset()
 
@@ -106,7 +120,7 @@ def jaxnitro_run_start(run):
 @hookimpl(trylast=True)
 def jaxnitro_epoch_end(run, row):
     """Ask the policy about a validated epoch; request the stop when it says so."""
-    policy, monitor = run.settings.early_stop, run.monitor
+    policy, monitor = _own_policy(run), run.monitor
     if policy is None or monitor is None or monitor[0] not in row:
         return
     name, mode = monitor

@@ -136,7 +136,9 @@ class GrainSource:
     grain's epoch ``e`` (indices ``e * len .. (e + 1) * len - 1``);
     ``batch_at(i)`` reads batch ``i`` of it: the pipeline's own values, so its
     seed, shuffle, maps, random maps, slicing and batch function are honoured.
-    Its randomness is the pipeline's (``ds.seed(...)``), not the run's ``seed``.
+    Its randomness is the pipeline's (``ds.seed(...)``), not the run's ``seed``:
+    grain refuses a shuffle or random map without a seed, so there is no unseeded
+    order for the run's seed to fill in (no ``bind_seed``).
 
     **Raises:** ``TypeError`` for a non-``MapDataset`` or a dataset of records
     without ``batch_size``; ``ValueError`` for an empty dataset. ``batch_at``
@@ -406,8 +408,9 @@ def jaxnitro_adapt_source(source, split):
         return None
     if isinstance(source, grain.MapDataset):
         if not _is_batched(source):
+            where = f"split `{split}`" if split else "this data source"
             raise TypeError(
-                f"jaxnitro: split `{split}` is a grain.MapDataset of single records, not batches. "
+                f"jaxnitro: {where} is a grain.MapDataset of single records, not batches. "
                 f"Fix: return `ds.batch(batch_size, drop_remainder=True)` (evaluation splits may keep "
                 f"the partial batch), or jn.GrainSource(ds, batch_size=...)"
             )

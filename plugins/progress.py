@@ -352,6 +352,48 @@ class _RunDisplay:
         return run.nitro.rows[-1]["epoch"] if run.nitro.rows else 0
 
 
+class _StepDisplay(_RunDisplay):
+    """:class:`_RunDisplay` for a step-budgeted run (``max_steps``): the bar counts optimizer
+    steps, ``step 3,000/20,000: train | train_loss 0.41``, ending ``done: 20,000/20,000 steps``."""
+
+    def __init__(self, reporter, total_steps: int, run, monitor):
+        self.run = run
+        super().__init__(reporter, total_steps, 1, monitor)
+
+    def label(self) -> str:
+        text = f"step {int(self.position):,}/{self.total:,}: {self.phase}"
+        extra = self.detail or current_note()
+        text = f"{text} [{extra}]" if extra else text
+        return f"{text} | {self.figures}" if self.figures else text
+
+    def epoch_end(self, row: dict) -> None:
+        super().epoch_end(row)
+        self.move(float(row["step"]))
+
+    def phase_start(self, epoch: int, phase: str, detail: str | None) -> None:
+        self.epoch, self.phase, self.detail = epoch, phase, detail
+        self.move(float(self.run.nitro.step))
+
+    def move(self, position: float) -> None:
+        self.position = max(self.position, min(position, float(self.total)))
+        self.reporter.update(self.position, self.label())
+
+    def close(self, status: str, steps_done: int) -> None:
+        self.reporter.close(f"{status}: {steps_done:,}/{self.total:,} steps")
+
+    def epochs_done(self, run) -> int:
+        return int(run.nitro.step)
+
+
+def _display(reporter, run):
+    """The run's bar: in steps for a step-budgeted run, in epochs otherwise."""
+    s = run.settings
+    if s.max_steps is not None:
+        total = s.max_steps if s.max_epochs is None else min(s.max_steps, s.max_epochs * run.steps_per_epoch)
+        return _StepDisplay(reporter, total, run, run.monitor)
+    return _RunDisplay(reporter, s.max_epochs, run.steps_per_epoch, run.monitor)
+
+
 _displays: list = []  # open displays, innermost last (a handle built inside a hook nests)
 _runs: dict = {}  # id(run) -> its display
 
@@ -375,7 +417,7 @@ def jaxnitro_setup_step(experiment, step):
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
     reporter = make_reporter()
-    display = _RunDisplay(reporter, run.settings.max_epochs, run.steps_per_epoch, run.monitor) if reporter else None
+    display = _display(reporter, run) if reporter else None
     _runs[id(run)] = display
     _displays.append(display)
 

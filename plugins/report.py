@@ -112,14 +112,26 @@ def _horizon(nitro):
     if train is None:
         return None, None
     per_epoch = len(train) // nitro.settings.accum
-    return per_epoch, per_epoch * nitro.settings.max_epochs
+    s = nitro.settings
+    bounds = [b for b in (s.max_steps, per_epoch * s.max_epochs if s.max_epochs is not None else None) if b is not None]
+    return per_epoch, min(bounds)
+
+
+def _horizon_text(nitro) -> str:
+    """``"20,000 optimizer steps (max_steps; 36.4 epochs of 550)"`` or ``"5500 optimizer steps (10 epochs x 550)"``."""
+    s = nitro.settings
+    per_epoch, total = _horizon(nitro)
+    if total is None:
+        return "no train split"
+    if s.max_steps is not None and total == s.max_steps:
+        return f"{total:,} optimizer steps (max_steps; {total / per_epoch:.3g} epochs of {per_epoch})"
+    return f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})"
 
 
 def handle_title(nitro) -> str:
     """Three lines: the experiment and status; seed, accum, horizon, batch, devices; weights."""
     e, s = nitro.experiment, nitro.settings
-    per_epoch, total = _horizon(nitro)
-    horizon = f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})" if total is not None else "no train split"
+    horizon = _horizon_text(nitro)
     dist = getattr(nitro.plan, "dist", None)
     devices = ", ".join(str(d) for d in (dist.devices if dist is not None else jax.devices()[:1]))
     ema = nitro.state.ema is not None
@@ -206,7 +218,8 @@ def _bindings_band(nitro) -> Band:
     rows = [("gradient_clip_norm", s.gradient_clip_norm or "off", s.source("gradient_clip_norm"))]
     for key, target in nitro.plan.bindings.describe():
         rows.append((f"schedule {key}", target, s.source("schedules")))
-    for name in ("accum", "steps_per_dispatch", "max_epochs", "seed", "log_every_n_steps", "check_divergence"):
+    for name in ("accum", "steps_per_dispatch", "max_epochs", "max_steps", "val_every_n_steps", "max_time", "seed",
+                 "log_every_n_steps", "check_divergence"):
         value = getattr(s, name)
         if name == "steps_per_dispatch" and value > 1:
             value = f"{value} ({_dispatches(nitro, value)})"

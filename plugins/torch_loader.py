@@ -122,8 +122,9 @@ class TorchSource:
       (``replacement``, ``num_samples`` honoured), ``SubsetRandomSampler``;
       ``batch_size`` and ``drop_last`` from its ``BatchSampler``;
     - the seed: ``seed=`` when given, else the generator's ``initial_seed()``
-      (``DataLoader(generator=...)`` or the sampler's own), else
-      :data:`DEFAULT_SEED`. Epoch ``e``'s order is drawn from
+      (``DataLoader(generator=...)`` or the sampler's own), else the run's
+      ``seed`` knob (jaxnitro calls :meth:`bind_seed` at setup;
+      :data:`DEFAULT_SEED` until then). Epoch ``e``'s order is drawn from
       ``numpy.random.default_rng((seed, e))``: a new order each epoch, the same
       across runs. It is not the order torch's own iteration would give.
     - ``num_workers`` becomes ``prefetch_workers``: that many producer
@@ -159,6 +160,9 @@ class TorchSource:
             raise ValueError(f"TorchSource: seed must be an int >= 0, got {seed!r}")
         gen_seed = _generator_seed(loader)
         self.seed = seed if seed is not None else gen_seed if gen_seed is not None else DEFAULT_SEED
+        self.seed_from = "seed=" if seed is not None else "generator" if gen_seed is not None else "the run's seed"
+        """Where :attr:`seed` comes from: ``"seed="``, ``"generator"`` (both kept by
+        :meth:`bind_seed`) or ``"the run's seed"`` (bound at setup)."""
         self.loader, self.dataset, self.fields = loader, loader.dataset, check_fields(fields)
         self.sampler, self.collate_fn = loader.sampler, loader.collate_fn
         bs = loader.batch_sampler
@@ -219,6 +223,19 @@ class TorchSource:
     @property
     def epoch(self) -> int:
         return self._plan[0]
+
+    def bind_seed(self, seed: int) -> None:
+        """Take the run's ``seed`` as the shuffle seed, unless ``seed=`` or a generator gave one.
+
+        jaxnitro calls it once at setup, before any epoch is read (the source contract's
+        optional ``bind_seed``); a negative run seed is taken modulo 2**64. The current
+        epoch's order is redrawn."""
+        if self.seed_from != "the run's seed":
+            return
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"TorchSource.bind_seed: the seed must be an int, got {seed!r}")
+        self.seed = int(seed) % 2**64
+        self.begin_epoch(self.epoch)
 
     def begin_epoch(self, epoch: int) -> None:
         """Fix epoch ``epoch``'s order: drawn from ``(seed, epoch)`` when the sampler shuffles."""

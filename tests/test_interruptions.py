@@ -120,7 +120,7 @@ RUNNER = textwrap.dedent(
 
 
 @pytest.mark.slow  # a fresh process per signal (~3 s each)
-@pytest.mark.parametrize(("sig", "status", "code"), [(signal.SIGTERM, "terminated", 143), (signal.SIGINT, "interrupted", None)])
+@pytest.mark.parametrize(("sig", "status", "code"), [(signal.SIGTERM, "preempted", 143), (signal.SIGINT, "interrupted", None)])
 def test_a_signal_to_a_training_process_leaves_a_finished_log(tmp_path, sig, status, code):
     script = RUNNER.format(tests=str(Path(__file__).parent), run_dir=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -19,7 +19,18 @@ In: a source object. Out:
   the loop then reads ``steps_per_dispatch`` blocks by row numbers (``jaxnitro.blocks``);
 * :func:`check_batch_at`: ``None`` when an addressable source keeps the
   contract; ``TypeError`` when it lacks a method or ``len()``, ``ValueError``
-  naming the batch index and field that breaks it.
+  naming the batch index and field that breaks it;
+* optionally, a source that shuffles defines ``bind_seed(seed: int) -> None``:
+  :func:`bind_seed` calls it once at setup with the run's ``seed`` knob, before
+  any epoch is read, and a source built without its own seed then draws its
+  order from it (one built with an explicit seed ignores the call). The call
+  must leave the plan a function of ``(seed, epoch)`` only, so that a fixed
+  run seed still reproduces a run at any worker count;
+* :func:`adapted`: a foreign loader (a torch ``DataLoader``, a grain
+  ``MapDataset``) as a jaxnitro source, through the adapter jaxnitro installs
+  with :func:`use_adapter` (its ``jaxnitro_adapt_source`` plugin hook). The
+  wrappers adapt their source with it, so a loader is adapted whether the
+  framework wraps it or the user does (``PrefetchIterator(loader, workers=3)``).
 """
 
 from __future__ import annotations
@@ -29,6 +40,39 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+
+_adapter: Callable[[Any, str | None], Any] | None = None
+
+
+def use_adapter(fn: Callable[[Any, str | None], Any] | None) -> None:
+    """Install ``fn(source, split) -> adapted source or None`` as the adapter :func:`adapted`
+    uses (jaxnitro installs its ``jaxnitro_adapt_source`` hook at import; this package imports
+    no other part of jaxnitro). ``None`` removes it."""
+    global _adapter
+    _adapter = fn
+
+
+def adapted(source: Any, split: str | None = None) -> Any:
+    """``source`` as a jaxnitro source: what the installed adapter makes of it (a plugin that
+    knows the loader's type), else ``source`` itself. ``split`` names the split in the
+    adapter's messages (None when not known yet: a wrapper built in ``build_data``)."""
+    if _adapter is None:
+        return source
+    out = _adapter(source, split)
+    return source if out is None else out
+
+
+def bind_seed(source: Any, seed: int) -> bool:
+    """Call ``source.bind_seed(seed)`` when the source defines it; whether it did.
+
+    The framework calls this once per split at setup with the run's ``seed`` knob
+    (see the module docstring)."""
+    fn = getattr(source, "bind_seed", None)
+    if not callable(fn):
+        return False
+    fn(int(seed))
+    return True
 
 
 def is_addressable(source: Any) -> bool:

@@ -51,6 +51,30 @@ class SourceLengthError(PrefetchError, ValueError):
         )
         self.split, self.length, self.count = split, length, count
 
+    @classmethod
+    def from_index_error(
+        cls, split: str | None, length: int, index: int, epoch: int, exc: BaseException, when: str = ""
+    ) -> SourceLengthError:
+        """``batch_at(index)`` raised ``IndexError`` for an ``index`` below ``len()``: the
+        source's ``len()`` claims batches it does not have (``count`` is ``index``, the most
+        it can have). ``when`` says what was reading (setup's check of the last batch)."""
+        err = cls.__new__(cls)
+        where = f"the `{split}` split" if split else "a data source"
+        PrefetchError.__init__(
+            err,
+            f"jaxnitro: {where}'s len() is {length}, but batch_at({index}) raised IndexError "
+            f"({exc}) in epoch {epoch}{when}: len() and the batches disagree, so batches "
+            f"0..{length - 1} do not all exist. The epoch length and the schedule horizon are "
+            f"computed from len(). Fix: make the source's __len__ return the number of batches "
+            f"batch_at serves (with a partial final batch dropped: rows // batch_size), or make "
+            f"batch_at serve every index below len().",
+            index=index,
+            epoch=epoch,
+        )
+        err.split, err.length, err.count = split, length, index
+        err.__cause__ = exc
+        return err
+
 
 class Failure:
     """A producer's exception, carried to the consumer in place of a batch."""
@@ -62,10 +86,19 @@ class Failure:
         self.exc = exc
 
 
-def failure_error(index: int, exc: BaseException, epoch: int, what: str) -> PrefetchError:
-    """The :class:`PrefetchError` for ``what`` (e.g. ``"batch_at(3)"``) raising ``exc``."""
+def failure_error(
+    index: int, exc: BaseException, epoch: int, what: str, split: str | None = None,
+    length: int | None = None, when: str = "",
+) -> PrefetchError:
+    """The :class:`PrefetchError` for ``what`` (e.g. ``"batch_at(3)"``) raising ``exc``, naming
+    ``split`` when known. An ``IndexError`` from ``batch_at`` below ``length`` (``len()``) is a
+    :class:`SourceLengthError`: the source's ``len()`` and its batches disagree."""
+    if isinstance(exc, IndexError) and what.startswith("batch_at") and length is not None and index < length:
+        return SourceLengthError.from_index_error(split, length, index, epoch, exc, when)
+    where = f"the `{split}` split's " if split else ""
     err = PrefetchError(
-        f"{what} raised {type(exc).__name__} for batch {index} of epoch {epoch}: {exc}",
+        f"jaxnitro: {where}{what} raised {type(exc).__name__} for batch {index} of epoch {epoch}"
+        f"{when}: {exc}",
         index=index,
         epoch=epoch,
     )

@@ -23,6 +23,7 @@ import structlog
 
 from .contract import accessors
 from .failures import Failure, SourceLengthError, failure_error
+from .staging import length_of, skipped
 
 #: Longest time, in seconds, that tearing down an epoch stream waits for a
 #: producer thread that is still inside ``batch_at`` or the source's iterator.
@@ -62,26 +63,28 @@ class Producers:
 
     def start(
         self, source: Any, addressable: bool, epoch: int, workers: int, ordered: bool,
-        split: str | None = None,
+        split: str | None = None, start: int = 0,
     ) -> Iterator[tuple[int, Any]]:
-        """Start producing ``epoch`` of ``source``; the ``(index, batch)`` pairs. An iterated
-        source must yield ``len(source)`` batches (:class:`SourceLengthError` naming ``split``)."""
+        """Start producing ``epoch`` of ``source`` from batch ``start`` on; the ``(index,
+        batch)`` pairs. An iterated source is read from its beginning (the batches before
+        ``start`` are dropped) and, with ``len()``, must yield ``len(source)`` batches
+        (:class:`SourceLengthError` naming ``split``)."""
         if not addressable:
-            n = len(source)
+            n = length_of(source)
             self._start_iterating(source)
-            return _iterated(self, epoch, n, split)
+            return skipped(_iterated(self, epoch, n, split), start)
         batch_at, begin = accessors(source)
         begin(epoch)
         n = len(source)
-        self._start_indexed(batch_at, n, workers)
+        self._start_indexed(batch_at, n, workers, start)
         if ordered or workers == 1:
-            return _indexed_ordered(self, n, epoch)
-        return _indexed_unordered(self, n, epoch)
+            return _indexed_ordered(self, n, epoch, start, split)
+        return _indexed_unordered(self, n, epoch, start, split)
 
     # -- producers ---------------------------------------------------------
 
-    def _start_indexed(self, batch_at: Callable[[int], Any], n: int, workers: int) -> None:
-        claim = itertools.count().__next__
+    def _start_indexed(self, batch_at: Callable[[int], Any], n: int, workers: int, start: int = 0) -> None:
+        claim = itertools.count(start).__next__
         claim_lock = threading.Lock()
 
         def work() -> None:
@@ -99,7 +102,7 @@ class Producers:
                 except BaseException as exc:  # noqa: BLE001 - carried to the consumer
                     put(Failure(i, exc))
 
-        for w in range(min(workers, n)):
+        for w in range(min(workers, max(n - start, 0))):
             self._spawn(work, f"{_THREAD_PREFIX}-{w}")
 
     def _start_iterating(self, source: Iterable) -> None:
@@ -170,10 +173,11 @@ class Producers:
 # delivery: each taken item gives its slot back
 
 
-def _indexed_ordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, Any]]:
+def _indexed_ordered(p: Producers, n: int, epoch: int, start: int = 0,
+                     split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
     pending: dict[int, Any] = {}
-    for k in range(n):
+    for k in range(start, n):
         if k in pending:
             item = pending.pop(k)
         else:
@@ -185,17 +189,18 @@ def _indexed_ordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, An
                 pending[i] = item
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(k, item.exc, epoch, f"batch_at({k})")
+            raise failure_error(k, item.exc, epoch, f"batch_at({k})", split, n)
         yield item
 
 
-def _indexed_unordered(p: Producers, n: int, epoch: int) -> Iterator[tuple[int, Any]]:
+def _indexed_unordered(p: Producers, n: int, epoch: int, start: int = 0,
+                       split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
-    for _ in range(n):
+    for _ in range(start, n):
         item = get()
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})")
+            raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})", split, n)
         yield item
 
 
@@ -205,13 +210,13 @@ def _iterated(p: Producers, epoch: int, n: int, split: str | None) -> Iterator[t
     while True:
         item = get()
         if item is _END:
-            if count != n:
+            if n is not None and count != n:
                 raise SourceLengthError(split, n, count, epoch)
             return
         release(None)
         if item.__class__ is Failure:
-            raise failure_error(item.index, item.exc, epoch, "iterating the source")
-        if count == n:
+            raise failure_error(item.index, item.exc, epoch, "iterating the source", split)
+        if n is not None and count == n:
             raise SourceLengthError(split, n, n + 1, epoch)
         count += 1
         yield item

@@ -32,44 +32,54 @@ def synchronous(
     transfer: Callable[[Any], Any] | None,
     depth: int,
     split: str | None = None,
+    start: int = 0,
 ) -> Iterator[Any]:
-    """One pass over ``source`` in the consumer's thread, staged ``depth`` ahead.
+    """One pass over ``source`` in the consumer's thread, staged ``depth`` ahead, from batch
+    ``start`` on (an iterated source reads and drops the batches before it).
 
-    An iterated source must yield exactly ``len(source)`` batches
-    (:class:`SourceLengthError` naming ``split`` otherwise)."""
-    items = _indexed(source, epoch) if addressable else _iterated(source, epoch, split)
-    return staged(items, transfer, depth, epoch)
+    An iterated source with ``len()`` must yield exactly ``len(source)`` batches
+    (:class:`SourceLengthError` naming ``split`` otherwise); one without is read to its end."""
+    items = _indexed(source, epoch, split, start) if addressable else skipped(_iterated(source, epoch, split), start)
+    return staged(items, transfer, depth, epoch, split)
 
 
-def _indexed(source: Any, epoch: int) -> Iterator[tuple[int, Any]]:
+def skipped(items: Iterator[tuple[int, Any]], start: int) -> Iterator[tuple[int, Any]]:
+    """``items`` without those whose index is below ``start`` (read, then dropped)."""
+    if start <= 0:
+        return items
+    return (item for item in items if (item[0] if item.__class__ is tuple else item.index) >= start)
+
+
+def _indexed(source: Any, epoch: int, split: str | None = None, start: int = 0) -> Iterator[tuple[int, Any]]:
     batch_at, begin = accessors(source)
     begin(epoch)
-    for i in range(len(source)):
+    n = len(source)
+    for i in range(start, n):
         try:
             batch = batch_at(i)
         except Exception as exc:  # noqa: BLE001
-            raise failure_error(i, exc, epoch, f"batch_at({i})")
+            raise failure_error(i, exc, epoch, f"batch_at({i})", split, n)
         yield i, batch
 
 
 def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:
     i = 0
-    n = len(source)
+    n = length_of(source)
     try:
         it = iter(source)
     except Exception as exc:  # noqa: BLE001
-        raise failure_error(0, exc, epoch, "iterating the source")
+        raise failure_error(0, exc, epoch, "iterating the source", split)
     try:
         while True:
             try:
                 batch = next(it)
             except StopIteration:
-                if i != n:
+                if n is not None and i != n:
                     raise SourceLengthError(split, n, i, epoch) from None
                 return
             except Exception as exc:  # noqa: BLE001
-                raise failure_error(i, exc, epoch, "iterating the source")
-            if i == n:
+                raise failure_error(i, exc, epoch, "iterating the source", split)
+            if n is not None and i == n:
                 raise SourceLengthError(split, n, n + 1, epoch)
             yield i, batch
             i += 1
@@ -79,8 +89,17 @@ def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterato
             close()
 
 
+def length_of(source: Any) -> int | None:
+    """``len(source)``, or None for a stream without one (read until it ends)."""
+    try:
+        return len(source)
+    except TypeError:
+        return None
+
+
 def staged(
-    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int
+    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int,
+    split: str | None = None,
 ) -> Iterator[Any]:
     """Apply ``transfer`` ``depth`` batches ahead of delivery; yield staged batches."""
     if transfer is None:
@@ -92,7 +111,7 @@ def staged(
             try:
                 out = transfer(batch)
             except Exception as exc:  # noqa: BLE001
-                raise failure_error(i, exc, epoch, "transfer")
+                raise failure_error(i, exc, epoch, "transfer", split)
             yield out
         return
     ahead: collections.deque = collections.deque()
@@ -110,7 +129,7 @@ def staged(
         try:
             push(transfer(batch))
         except Exception as exc:  # noqa: BLE001
-            error = failure_error(i, exc, epoch, "transfer")
+            error = failure_error(i, exc, epoch, "transfer", split)
             break
         if len(ahead) > depth:
             yield pop()

@@ -1,6 +1,9 @@
 """The public wrappers: PrefetchIterator, NoPrefetch, and the EpochStream they open.
 
-In: a data source (see :mod:`.contract`). A wrapper validates it once
+In: a data source (see :mod:`.contract`); a foreign loader (a torch
+``DataLoader``, a grain ``MapDataset``) is adapted first, through the adapter
+jaxnitro installs (:func:`.contract.adapted`), so wrapping a loader reads it as
+the framework would unwrapped. A wrapper validates it once
 (``TypeError`` for one without ``len()``, or neither iterable nor addressable,
 or already wrapped; ``ValueError`` for a bad setting). Out, for each call of
 ``epoch(epoch, transfer)``: an :class:`EpochStream` of staged batches.
@@ -54,7 +57,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from .contract import check_epoch, default_workers, describe, is_addressable
+from .contract import _default_cpus, adapted, check_epoch, default_workers, describe, is_addressable
 from .producers import Producers
 from .staging import staged, synchronous
 
@@ -79,6 +82,9 @@ class _Wrapper:
     def __init__(self, source: Any, name: str, unwrap_hint: str, len_hint: str = ""):
         if isinstance(source, _Wrapper):
             raise TypeError(f"{name} got a {type(source).__name__} as its source; {unwrap_hint}")
+        source = adapted(source)  # a foreign loader (torch, grain) through its plugin's adapter
+        if isinstance(source, _Wrapper):  # an adapter that wraps: these settings win
+            source = source.source
         try:
             len(source)
         except TypeError:
@@ -122,7 +128,7 @@ class _Wrapper:
     def _path(self) -> str:
         raise NotImplementedError
 
-    def epoch(self, epoch: int, transfer: Callable[[Any], Any] | None = None) -> EpochStream:
+    def epoch(self, epoch: int, transfer: Callable[[Any], Any] | None = None, start: int = 0) -> EpochStream:
         """One pass over the source: an iterator of staged batches.
 
         Nothing happens until the first ``next()``. Then, for an addressable
@@ -137,15 +143,21 @@ class _Wrapper:
         joins its producer threads. A failure in the source or in
         ``transfer`` raises :class:`PrefetchError` naming the batch index,
         after every earlier batch has been delivered when ``ordered``.
+
+        ``start`` continues an epoch from its batch ``start`` (a resumed run): an
+        addressable source produces batches ``start ..`` only; any other source is
+        read from its beginning and the first ``start`` batches are dropped unstaged.
         """
         epoch = check_epoch(epoch)
         if transfer is not None and not callable(transfer):
             raise TypeError(f"transfer must be a callable batch -> staged batch, got {transfer!r}")
-        return self._open(self._stream(epoch, transfer))
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"epoch(start={start!r}): expected the index of a batch, an int >= 0")
+        return self._open(self._stream(epoch, transfer, int(start)))
 
-    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
+    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
         """The synchronous path: produce and stage in the consumer's thread."""
-        return synchronous(self.source, self.addressable, epoch, transfer, self.device_batches, self.split)
+        return synchronous(self.source, self.addressable, epoch, transfer, self.device_batches, self.split, start)
 
     def release(self) -> None:
         """Stop any open epoch stream, then call ``source.release()`` if defined.
@@ -234,7 +246,9 @@ class PrefetchIterator(_Wrapper):
     **Arguments:**
 
     - ``source``: an iterable of batches with ``len()``. A batch is a dict of
-      NumPy arrays, batch dimension first. If the source is *index-addressable*
+      NumPy arrays, batch dimension first. A loader a plugin adapts (a torch
+      ``DataLoader``, a grain ``MapDataset``) is adapted here
+      (``jaxnitro_adapt_source``): ``.source`` is then the adapted source. If the source is *index-addressable*
       (:func:`is_addressable`: it has ``batch_at(i)`` and ``begin_epoch(epoch)``,
       or it is a ``list``/``tuple`` of batches), several producers read it;
       otherwise one producer iterates it.
@@ -246,7 +260,9 @@ class PrefetchIterator(_Wrapper):
       other source. More than one worker on a source that is not addressable
       logs a warning and runs one producer: implementing
       ``batch_at``/``begin_epoch`` is the fix, and :func:`check_batch_at`
-      verifies it.
+      verifies it. The default on such a source (with no ``prefetch_workers``,
+      on more than one CPU) warns the same once jaxnitro names the split
+      (:meth:`warn_one_producer`, at setup).
 
       Threads pay off when producing a batch is slow and releases the GIL
       (reading files, decoding, native augmentation). For a batch gathered
@@ -305,8 +321,13 @@ class PrefetchIterator(_Wrapper):
 
         self.ordered = ordered
         self.device_batches = int(device_batches)
+        source = self.source  # adapted
         if workers is None:
             workers = default_workers(source, self.addressable)
+            if not self.addressable and getattr(source, "prefetch_workers", None) is None:
+                several = min(4, _default_cpus())  # what an addressable source would get
+                if several > 1:
+                    self._unsaid_default = several  # said once, naming the split: warn_one_producer
         workers = int(workers)
         if not self.addressable and workers > 1:
             structlog.get_logger("jaxnitro").warning(
@@ -323,6 +344,25 @@ class PrefetchIterator(_Wrapper):
         else:
             self.host_batches = int(host_batches) if host_batches is not None else 2 * workers
 
+    _unsaid_default: int = 0  # producers the default would run on an addressable source, unsaid
+
+    def warn_one_producer(self, split: str | None = None) -> None:
+        """Warn (once) that this source runs in one producer where the default would run
+        several: it is not index-addressable. jaxnitro calls this at setup, naming the split;
+        an explicit ``workers > 1`` warned already, when the wrapper was built."""
+        several, self._unsaid_default = self._unsaid_default, 0
+        if not several:
+            return
+        structlog.get_logger("jaxnitro").warning(
+            "source is not index-addressable: one prefetch producer reads it",
+            split=split or self.split,
+            source=describe(self.source),
+            workers_default=several,
+            fix="define batch_at(i) -> batch and begin_epoch(epoch) -> None on the source so that "
+            f"{several} producers read it; jaxnitro.check_batch_at(source) verifies an implementation "
+            "(PrefetchIterator(source, workers=1) says one producer is meant)",
+        )
+
     def _path(self) -> str:
         if self.workers == 0:
             return "synchronous"
@@ -330,16 +370,16 @@ class PrefetchIterator(_Wrapper):
             return f"batch_at, {self.workers} producer{'s' if self.workers != 1 else ''}"
         return "iterate, 1 producer"
 
-    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
+    def _stream(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
         if self.workers == 0:
-            return super()._stream(epoch, transfer)
-        return self._threaded(epoch, transfer)
+            return super()._stream(epoch, transfer, start)
+        return self._threaded(epoch, transfer, start)
 
-    def _threaded(self, epoch: int, transfer: Callable[[Any], Any] | None) -> Iterator:
+    def _threaded(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
         producers = Producers(self.host_batches)
         try:
-            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split)
-            yield from staged(items, transfer, self.device_batches, epoch)
+            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split, start)
+            yield from staged(items, transfer, self.device_batches, epoch, self.split)
         finally:
             producers.stop()
 

@@ -1,0 +1,234 @@
+"""The step dispatcher: optimizer steps from a batch reader into the compiled train programs.
+
+One path for every ``steps_per_dispatch``: a *segment* of steps (from the event book: it
+ends where something is due) is dispatched as blocks of ``k`` steps (the ``train_block``
+program, one ``lax.scan``) while at least ``k`` steps remain, and as single steps
+(``accum - 1`` accumulate programs and one train-step program) for the rest. With
+``k = 1`` every step is a single step. Each dispatch appends its device-resident scalars
+to ``pending``; the host never waits on the device here.
+
+Readers hand out what a dispatch consumes: :class:`StreamReader` over a split's epoch
+stream (blocks stacked on the host), :class:`ColumnReader` over a column source's rows
+(blocks gathered inside the program, see :mod:`jaxnitro.blocks`). Both start at any batch
+of an epoch, which is what a mid-epoch resume needs.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .batches import batch_width
+from .routing import KEY_COUNT
+
+__all__ = ["Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+
+
+class Outcome(enum.Enum):
+    """How a segment's dispatch (or an event after it) ended."""
+
+    COMPLETE = "complete"
+    STOPPED = "stopped"  # Ctrl-C / SIGTERM / max_time, honoured between dispatches
+    DIVERGED = "diverged"  # a read found a non-finite loss
+    EXHAUSTED = "exhausted"  # a stream without len() ended: its epoch is over
+    EARLY = "early"  # a plugin asked the run to stop (early stopping)
+
+
+class StreamReader:
+    """Batches of one epoch stream: ``one()`` a micro-batch, ``block()`` ``k * accum`` of them
+    stacked on the host as ``{field: [k, accum, batch, ...]}`` (then ``put_block``).
+
+    ``put_one`` (a sharded run: place the batch on the mesh) and ``extra`` (entries every
+    single batch gets, e.g. the base key of a keyed ``k > 1`` run) apply to single batches
+    of a ``k > 1`` run; a ``k = 1`` run's stream is already staged by its transfer.
+    ``StopIteration`` from the stream propagates (a stream without ``len()`` ended).
+    """
+
+    def __init__(self, stream, k: int, accum: int, put_block=None, put_one=None, extra=None):
+        self.stream, self.size, self.k, self.accum = stream, k * accum, k, accum
+        self.put_block, self.put_one, self.extra = put_block, put_one, extra or {}
+        self.one = stream.__next__ if put_one is None and not self.extra else self._one
+
+    def _one(self) -> dict:
+        batch = next(self.stream)
+        if self.put_one is not None:
+            batch = self.put_one(batch)
+        return {**batch, **self.extra} if self.extra else batch
+
+    def block(self) -> dict:
+        group = list(itertools.islice(self.stream, self.size))
+        if len(group) < self.size:
+            raise StopIteration
+        shape = (self.k, self.accum)
+        block = {f: np.stack([b[f] for b in group]).reshape(shape + group[0][f].shape) for f in group[0]}
+        return block if self.put_block is None else self.put_block(block)
+
+    def drain(self) -> None:
+        """At the epoch's end: read the stream to its end, so that a source yielding more
+        batches than its ``len()`` is refused (the stream raises), as a loop over it would."""
+        next(self.stream, None)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class ColumnReader:
+    """Blocks and single batches of one epoch of a column source, by row numbers
+    (:class:`~jaxnitro.blocks.ColumnBlocks`), from batch ``index`` on; micro-batch numbers
+    (``key``) count from ``count``."""
+
+    def __init__(self, columns, epoch: int, index: int, count: int, extra=None):
+        self.columns, self.epoch, self.index, self.count = columns, epoch, index, count
+        self.size, self.extra = columns.k * columns.accum, extra or {}
+
+    def block(self) -> dict:
+        block = self.columns.block(self.epoch, self.index, self.count)
+        self.index += self.size
+        self.count += self.size
+        return block
+
+    def one(self) -> dict:
+        batch = self.columns.batch(self.epoch, self.index, self.count)
+        self.index += 1
+        self.count += 1
+        return {**batch, **self.extra} if self.extra else batch
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Dispatcher:
+    """Dispatches segments of optimizer steps through the train programs.
+
+    In: the one-step program (``step_fn``), the accumulate program (``accum`` > 1), the
+    block program and its per-run inputs (``k`` > 1), the run's :class:`StepValues`
+    (``scheds``), the Device values and the ``1 / accum`` scale. :meth:`run` takes the
+    flat state leaves and returns the new ones; it never blocks on the device.
+    """
+
+    def __init__(self, *, k, accum, step_fn, accumulate, block_fn, scheds, device_values, scale,
+                 extra=None, columns=None):
+        self.k, self.accum = k, accum
+        self.step_fn, self.accumulate, self.block_fn = step_fn, accumulate, block_fn
+        self.scheds, self.dev, self.scale = scheds, device_values, scale
+        self.extra, self.columns = extra or {}, columns or {}
+        # every Device value enters the block per step, as a scanned input like the scheduled
+        # ones: a value closed over by the loop is loop-invariant to XLA, which may then
+        # reassociate arithmetic with it (hoisting it out of the loop) and round differently
+        # from the one-step program; a per-step input keeps the step's arithmetic as it is
+        self.tiled = _tiled({n: v for n, v in device_values.items() if n not in scheds.device}, k) if k > 1 else {}
+        self.wait = 0.0  # seconds spent waiting for batches
+
+    def run(self, reader, leaves, step: int, cut: int, stop, pending: list, read_every: int, read):
+        """Dispatch steps ``step + 1 .. cut`` from ``reader``: ``(leaves, step reached, Outcome)``.
+
+        Stops early, after the dispatch in flight, when ``stop.status`` is set
+        (``STOPPED``), when ``read(False)`` (called once ``read_every`` entries are
+        pending) reports a non-finite loss (``DIVERGED``), or when the reader's stream ends
+        (``EXHAUSTED``; a partly read step is dropped).
+        """
+        p, s, o = leaves
+        k, accum, scheds, dev, scale = self.k, self.accum, self.scheds, self.dev, self.scale
+        step_fn, accumulate, clock = self.step_fn, self.accumulate, time.perf_counter
+        outcome = Outcome.COMPLETE
+        try:
+            while step < cut:
+                if k > 1 and cut - step >= k:
+                    t0 = clock()
+                    block = reader.block()
+                    self.wait += clock() - t0
+                    p, s, o, aux = self.block_fn(
+                        p, s, o, {}, {**self.tiled, **scheds.dev_block(step, k)}, self.extra, self.columns,
+                        block, scale, scheds.hypers_block(step, k),
+                    )
+                    step += k
+                else:
+                    acc, micros = None, []
+                    for _ in range(accum - 1):
+                        t0 = clock()
+                        batch = reader.one()
+                        self.wait += clock() - t0
+                        (acc, aux), s = accumulate(p, s, scheds.dev(dev, step), batch, acc)
+                        micros.append(aux)
+                    t0 = clock()
+                    batch = reader.one()
+                    self.wait += clock() - t0
+                    p, s, o, aux = step_fn(p, s, o, scheds.dev(dev, step), batch, acc, scale, scheds.hypers(step))
+                    if micros:
+                        aux = (*micros, aux)
+                    step += 1
+                pending.append(aux)
+                if stop.status is not None:
+                    outcome = Outcome.STOPPED
+                    break
+                if len(pending) >= read_every and read(False):
+                    outcome = Outcome.DIVERGED
+                    break
+        except StopIteration:
+            outcome = Outcome.EXHAUSTED
+        return (p, s, o), step, outcome
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _tiled(values: dict, k: int) -> dict:
+    """Each value with a leading axis of ``k`` copies (compiled: also for arrays spanning the
+    processes of a multi-process job, which eager operations refuse)."""
+    return {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in values.items()}
+
+
+def keyed(transfer, key_data, counter, *, with_key: bool = True):
+    """Wrap ``transfer`` to add the micro-batch number (``KEY_COUNT``, from ``counter``) and,
+    with ``with_key``, the run's base key (``KEY_DATA``; a ``k > 1`` block carries it once)."""
+    from .routing import KEY_DATA
+
+    def keyed_transfer(batch):
+        batch = transfer(batch)
+        if with_key:
+            batch[KEY_DATA] = key_data
+        batch[KEY_COUNT] = np.uint32(next(counter))
+        return batch
+
+    return keyed_transfer
+
+
+def counted(transfer, counter):
+    """:func:`keyed` without the base key (``steps_per_dispatch`` > 1)."""
+    return keyed(transfer, None, counter, with_key=False)
+
+
+def width_checked(transfer, width: int):
+    """Wrap ``transfer`` to refuse a train batch of another width (a short batch anywhere, a
+    partial final one, an empty one) or one that is not a dict of arrays.
+
+    Setup reads every batch of a list; other sources are checked here, as each batch is
+    staged: a length per field in the common case (well under a microsecond), the full
+    check (:func:`jaxnitro.batches.batch_width`, naming the problem) only when one differs.
+    """
+
+    def checked(batch):
+        try:
+            same = all(len(v) == width for v in batch.values())
+        except TypeError:  # a field without len(), or not a dict at all
+            same = False
+        if not same:
+            n = batch_width(batch, "train batch")
+            if n != width:
+                raise ValueError(
+                    f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have "
+                    f"{width}. Every train batch must have that width: the train split must drop its "
+                    f"partial final batch, and have no short batch anywhere (it would compile a "
+                    f"second train step and weight its rows differently). Fix: build the loader "
+                    f"with drop_last=True and equal batch sizes."
+                )
+        return transfer(batch)
+
+    return checked

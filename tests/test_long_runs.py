@@ -1,0 +1,219 @@
+"""Long runs: step budgets, validation and checkpoints every N steps, exact mid-epoch resume
+after a SIGKILL, preemption by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxnitro as jn
+from long_run_child import STEPS_PER_EPOCH, LongRun, keywords
+from tiny import Tiny, tiny_data
+
+HERE = Path(__file__).parent
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def assert_same_state(a, b):
+    assert a.step == b.step
+    for x, y in zip(leaves(a.params), leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(leaves(a.opt_state), leaves(b.opt_state), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def train_lines(folder: Path) -> dict:
+    """``{step: train line}`` of a run folder's metrics.jsonl; asserts each step appears once."""
+    lines = [r for r in jn.read_jsonl(folder / "metrics.jsonl") if r.get("kind") == "metrics" and r["context"] == "train"]
+    steps = [r["step"] for r in lines]
+    assert len(steps) == len(set(steps)), "a step was logged twice"
+    return {r["step"]: {k: v for k, v in r.items() if k != "time"} for r in lines}
+
+
+def child(run_dir: Path, at: int, opts: dict) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(HERE / "long_run_child.py"), str(run_dir), str(at), json.dumps(opts)],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=run_dir)
+
+
+# -- in-process: budgets, rows, checkpoints, resume -------------------------------------------
+
+
+def test_max_steps_ends_mid_epoch_with_a_validated_row(tmp_path):
+    n = jn.train(Tiny(), run_dir=tmp_path, max_steps=9, logger=None)  # 6 steps an epoch
+    assert n.step == 9 and n.status == "done"
+    assert [(r["epoch"], r["step"]) for r in n.rows] == [(1, 6), (2, 9)]
+    assert "loss" in n.rows[-1]  # the run's end is validated
+    both = jn.train(Tiny(), run_dir=tmp_path, max_steps=100, max_epochs=3, logger=None)
+    assert both.step == 18  # whichever comes first
+
+
+def test_val_every_n_steps_gives_one_row_per_validation_keyed_by_step(tmp_path):
+    n = jn.train(Tiny(), run_dir=tmp_path, max_steps=14, max_epochs=None, val_every_n_steps=4, logger="jsonl")
+    assert [(r["epoch"], r["step"]) for r in n.rows] == [(1, 4), (2, 8), (2, 12), (3, 14)]
+    assert all("loss" in r for r in n.rows)
+    val = [r for r in jn.read_jsonl(Path(n.run_dir) / "metrics.jsonl") if r.get("context") == "validate"]
+    assert [r["step"] for r in val] == [4, 8, 12, 14]
+    lines = train_lines(Path(n.run_dir))
+    # a row's train_loss is the mean of its steps' losses
+    np.testing.assert_allclose(n.rows[1]["train_loss"], np.mean([lines[s]["loss"] for s in range(5, 9)]), rtol=1e-6)
+
+
+def test_early_stopping_counts_validations(tmp_path):
+    class Worse(Tiny):
+        def monitor(self):
+            return ("loss", "max")  # the loss falls: every validation after the first is worse
+
+    n = jn.train(Worse(), run_dir=tmp_path, max_steps=60, max_epochs=None, val_every_n_steps=3, logger=None,
+                 early_stop=jn.EarlyStopping(patience=2))
+    assert n.step == 9 and len(n.rows) == 3
+
+
+def test_checkpoints_every_n_steps_keep_best_and_last_and_resume_mid_epoch(tmp_path):
+    ckpt = jn.Checkpointer(every_n_steps=4, keep=(jn.Best(1), jn.Last(2)), asynchronous=False)
+
+    class Monitored(Tiny):
+        def monitor(self):
+            return ("loss", "min")
+
+    kw = dict(max_epochs=None, val_every_n_steps=4, logger=None)
+    straight = jn.train(Monitored(), run_dir=tmp_path / "a", max_steps=14, **kw)
+    first = jn.train(Monitored(), run_dir=tmp_path / "b", max_steps=10, checkpointer=ckpt, **kw)
+    steps = sorted(int(p.name) for p in (Path(first.run_dir) / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [8, 10]  # saved at 4 and 8, and at the run's end (10); Last(2) (the loss falls: Best(1) is 10)
+    resumed = jn.Nitro(Monitored(), run_dir=tmp_path / "b", resume="auto", max_steps=14, checkpointer=ckpt, **kw)
+    assert resumed.step == 10 and resumed.epoch == 2  # mid-epoch 2 (6 steps an epoch)
+    resumed.train()
+    assert_same_state(resumed, straight)
+    # the first run's last row ended at its last step (10): the longer run's next row holds
+    # steps 11-12, validated as the uninterrupted run's at 12
+    assert [r["step"] for r in resumed.rows] == [12, 14]
+    assert resumed.rows[0]["loss"] == straight.rows[2]["loss"] and resumed.rows[1] == straight.rows[3]
+
+
+def test_a_preempted_run_checkpoints_and_resumes_exactly(tmp_path, monkeypatch):
+    from jaxnitro import trainer
+
+    monkeypatch.setattr(trainer, "READ_EVERY", 2)  # reads (and so the stop) mid-epoch
+    monkeypatch.setattr(trainer, "MAX_PENDING", 8)
+    ckpt = jn.Checkpointer(keep=jn.Last(1), asynchronous=False)
+    straight = jn.train(Tiny(), run_dir=tmp_path / "a", max_epochs=3, logger=None)
+    stopper = _StopAt(8)
+    from jaxnitro.plugin_manager import plugin_manager
+
+    plugin_manager().register(stopper, name="stopper")
+    try:
+        with pytest.raises(jn.Preempted) as info:
+            jn.train(Tiny(), run_dir=tmp_path / "b", max_epochs=3, checkpointer=ckpt, logger="jsonl")
+    finally:
+        plugin_manager().unregister(stopper)
+    assert info.value.code == jn.PREEMPTED_EXIT_CODE == 143
+    (folder,) = (tmp_path / "b").iterdir()
+    finish = [r for r in jn.read_jsonl(folder / "metrics.jsonl") if r.get("kind") == "finish"]
+    assert finish[-1]["status"] == "preempted"
+    resumed = jn.Nitro(Tiny(), run_dir=tmp_path / "b", resume="auto", max_epochs=3, checkpointer=ckpt, logger=None)
+    assert 8 <= resumed.step < 12
+    resumed.train()
+    assert_same_state(resumed, straight)
+    assert resumed.rows == straight.rows[-len(resumed.rows):]
+
+
+class _StopAt:
+    """Requests a preemption (as SIGTERM does) once a read stretch reaches step ``at``."""
+
+    def __init__(self, at):
+        self.at = at
+
+    @jn.hookimpl
+    def jaxnitro_steps_read(self, run, stretch):
+        from jaxnitro.interrupts import request
+
+        if stretch.first_step + len(stretch) - 1 >= self.at and request.status is None:
+            request.status = "preempted"
+
+
+def test_max_time_preempts(tmp_path):
+    with pytest.raises(jn.Preempted):
+        jn.train(Tiny(), run_dir=tmp_path, max_epochs=100000, max_time=0.5, logger=None)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("23:30:00", 84600.0), ("1-00:00:10", 86410.0), ("05:00", 300.0), (90, 90.0)])
+def test_max_time_forms(value, seconds):
+    from jaxnitro.knobs import max_time_seconds
+
+    assert max_time_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "1:70:00", -5, 0, float("nan")])
+def test_a_bad_max_time_is_refused_naming_the_forms(tmp_path, value):
+    with pytest.raises(ValueError, match=r"max_time.*HH:MM:SS"):
+        jn.Nitro(Tiny(), run_dir=tmp_path, max_time=value, logger=None)
+
+
+@pytest.mark.parametrize("name", ["max_steps", "val_every_n_steps"])
+def test_bad_step_knobs_are_refused(tmp_path, name):
+    with pytest.raises(ValueError, match=name):
+        jn.Nitro(Tiny(), run_dir=tmp_path, logger=None, **{name: 0})
+
+
+# -- SIGKILL mid-run, resume, bitwise --------------------------------------------------------
+
+
+CASES = {
+    "k1": {},
+    "k1-3-workers": {"workers": 3},
+    "k4-accum2": {"k": 4, "accum": 2},
+}
+
+
+@pytest.mark.slow  # a child process per case (~6 s each)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_sigkilled_run_resumes_bitwise(tmp_path, case):
+    opts = CASES[case]
+    at = random.Random(case).randint(250, 450)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    proc = child(killed, at, opts)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    resumed = jn.Nitro(LongRun(), run_dir=killed, resume="auto", logger="jsonl", **keywords(opts))
+    # saves are paced (min_interval="auto": writes take <= 5% of the run), so the newest one on
+    # disk may be older than the last one due
+    assert resumed.step == at // 100 * 100
+    resumed.train()
+    straight = jn.train(LongRun(), run_dir=tmp_path / "straight", logger="jsonl", **keywords(opts))
+    assert straight.step == resumed.step == 600
+    assert_same_state(resumed, straight)
+    assert resumed.rows == straight.rows[-len(resumed.rows):]
+    assert [r["step"] for r in straight.rows] == [100, 200, 300, 400, 500, 600]
+    (folder,) = [p for p in killed.iterdir() if p.is_dir()]
+    (ref,) = [p for p in (tmp_path / "straight").iterdir() if p.is_dir()]
+    assert train_lines(folder) == train_lines(ref)  # every logged train value, each step once
+
+
+@pytest.mark.slow
+def test_sigterm_preempts_with_exit_code_143_and_requeue_continues(tmp_path):
+    opts = {"sigterm": True}
+    proc = child(tmp_path, 333, opts)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    finish = [r for r in jn.read_jsonl(folder / "metrics.jsonl") if r.get("kind") == "finish"]
+    assert finish[-1]["status"] == "preempted"
+    requeued = child(tmp_path, 0, {**opts, "resume": True})
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert [p for p in tmp_path.iterdir() if p.is_dir()] == [folder]  # the same run, continued
+    finish = [r for r in jn.read_jsonl(folder / "metrics.jsonl") if r.get("kind") == "finish"]
+    assert [f["status"] for f in finish] == ["preempted", "done"]
+    assert sorted(train_lines(folder)) == list(range(1, 601))
