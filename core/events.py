@@ -8,6 +8,7 @@ is one stretch of read optimizer steps.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ class RunContext:
     - ``time_limit_reached``: set when ``max_time`` ended the run;
     - ``horizon``: set by the loop: the optimizer steps the schedules are planned over (a
       checkpoint records it, for the horizon rule of a resumed run).
+    - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
+    - ``resumed_step``: that step when the run continues an existing run folder, else None.
     """
 
     nitro: object
@@ -46,6 +49,32 @@ class RunContext:
     open_row: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
+    start_step: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.start_step = int(getattr(self.nitro, "step", 0) or 0)
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step this run continues from when it continues an existing run folder, else None.
+
+        A handle made with ``resume=`` from a checkpoint whose run folder it continues
+        (``nitro.plan.resumed.continue_folder``) trains into that folder: its loggers find
+        there what the interrupted run logged, possibly past this step (the checkpoint is older
+        than the last logged line). Loggers use it (through the optional ``resume(step)`` verb,
+        which :class:`~jaxnitro.logger.LoggerRelay` calls first) to continue their records without
+        logging a step twice. It is the step the run starts from: the checkpoint's step
+        (``resumed.step``) for the handle's first ``train()``, and the handle's step then for a
+        later ``train()`` into the same folder. None for a new run folder (a fresh run, or a
+        resume that branches into a new folder).
+        """
+        plan = getattr(self.nitro, "plan", None)
+        resumed = getattr(plan, "resumed", None)
+        if resumed is None or not resumed.continue_folder or not resumed.run_folder:
+            return None
+        if os.path.realpath(resumed.run_folder) != os.path.realpath(self.run_dir):
+            return None
+        return max(int(resumed.step), self.start_step)
 
     @property
     def settings(self):
@@ -59,19 +88,6 @@ class RunContext:
     @property
     def experiment(self):
         return self.nitro.experiment
-
-    @property
-    def resumed_step(self) -> int | None:
-        """The step this run continues from when it continues an existing run folder
-        (``resume=`` from that folder's newest resume point), else None. A logger that
-        appends to the folder's files drops what it logged after that step."""
-        resumed = getattr(self.nitro.plan, "resumed", None)
-        if resumed is None or not resumed.continue_folder or resumed.run_folder is None:
-            return None
-        import os
-
-        same = os.path.abspath(resumed.run_folder) == os.path.abspath(self.run_dir)
-        return int(resumed.step) if same else None
 
     @property
     def steps_per_epoch(self) -> int:

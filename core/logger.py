@@ -3,17 +3,23 @@
 A logger is any object with the verbs the framework calls (no base class):
 ``log_params(params)``, ``log_other(key, value)``,
 ``log_metrics(metrics, *, step, epoch, context)`` and ``finish(status)``;
-optionally ``info()`` (identifying parameters) and ``backend`` (a wrapped
-tracker object). The ``logger`` run knob is a name (made by the
+optionally ``info()`` (identifying parameters), ``backend`` (a wrapped
+tracker object), ``resume(step)`` (the run continues an existing run folder from
+optimizer step ``step``: called once, before any other verb of the run) and
+``flush()`` (push what is buffered to its destination: called at each history row's
+end and each step boundary, before the checkpointer saves). The ``logger`` run knob is a name (made by the
 ``jaxnitro_make_logger`` hook), a logger object, a list of those (several
 loggers at once), or ``None``. Left unset, the ``jaxnitro_default_logger``
 hook names it; the core names no logger.
 
 Each logger of a run is wrapped in a :class:`LoggerRelay`, a run-scoped plugin
 that turns lifecycle events into verbs: ``params`` and the binding report at
-run start, a ``train`` line per step (every ``log_every_n_steps``-th) per
-stretch read, a ``data`` line per epoch trained, a ``validate`` line per
-validation, ``finish(status)`` at the end.
+run start (preceded by ``resume(step)`` when the run continues an existing run
+folder and the logger has that verb), a ``train`` line per step (every
+``log_every_n_steps``-th) per stretch read, a ``data`` line per epoch trained, a
+``validate`` line per validation, ``flush()`` at each history row's end and each step
+boundary a plugin asked for (a checkpointer's ``every_n_steps``), when the logger has it,
+``finish(status)`` at the end.
 """
 
 from __future__ import annotations
@@ -199,6 +205,9 @@ class LoggerRelay:
         if self._mine(run):
             from .describe import describe
 
+            step = run.resumed_step
+            if step is not None and callable(getattr(self.logger, "resume", None)):
+                self._call("resume", step)  # before anything of this run is logged
             self._call("log_params", run_params(run.nitro, run.run_dir))
             self._call("log_other", "binding_report", describe(run.nitro, "report"))
 
@@ -212,6 +221,21 @@ class LoggerRelay:
     def jaxnitro_epoch_trained(self, run, epoch, step, stats):
         if self._mine(run):
             self._call("log_metrics", dict(stats), step=step, epoch=epoch, context="data")
+
+    def _flush(self, run) -> None:
+        if self._mine(run) and self.failed is None and callable(getattr(self.logger, "flush", None)):
+            self._call("flush")
+
+    # before the checkpointer saves (it subscribes to both, trylast): every line up to a
+    # checkpoint's step is out before the checkpoint exists, so a resume from it finds them
+
+    @hookimpl(tryfirst=True)
+    def jaxnitro_epoch_end(self, run, row):
+        self._flush(run)
+
+    @hookimpl(tryfirst=True)
+    def jaxnitro_step_boundary(self, run, step, epoch):
+        self._flush(run)
 
     @hookimpl
     def jaxnitro_split_evaluated(self, run, split, metrics, context):

@@ -11,6 +11,8 @@ Every line is a JSON object with a ``"kind"``:
 * ``{"kind": "other", "key": key, "value": value}``
 * ``{"kind": "metrics", "context": context, "step": step, "epoch": epoch, "time": t, <metric>: value, ...}``
 * ``{"kind": "finish", "status": status, "time": t}``
+* ``{"kind": "resume", "step": step, "dropped": n, "repaired": how, "time": t}``: a resumed
+  run continues the file from ``step`` (see :meth:`JSONLLogger.resume`).
 
 The file is strict JSON: NaN and infinities are written as the strings
 ``"nan"``, ``"inf"`` and ``"-inf"`` (``NaN``/``Infinity`` literals are not JSON
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 import weakref
 from pathlib import Path
@@ -34,7 +37,7 @@ import numpy as np
 
 from jaxnitro.hookspecs import hookimpl
 
-__all__ = ["JSONLLogger", "read_jsonl", "jaxnitro_make_logger"]
+__all__ = ["JSONLLogger", "continue_jsonl", "read_jsonl", "jaxnitro_make_logger"]
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 # Fields every metrics line owns; a metric may not reuse their names.
@@ -233,6 +236,31 @@ class JSONLLogger:
         self._status = str(status)
         self._finalizer()  # flush + close, exactly once
 
+    def resume(self, step: int) -> None:
+        """Continue the file of an interrupted run from optimizer step ``step`` (the resumed
+        checkpoint's): called by jaxnitro before anything else of a resumed run is logged.
+
+        The interrupted run may have logged past ``step`` (its checkpoint is older than its last
+        line); the resumed run logs those steps again. So, before appending (see
+        :func:`continue_jsonl`): a torn last line (a process killed mid-write: no newline at the
+        end) is cut off, or terminated if it is a whole JSON object; then the metrics lines with
+        a step above ``step`` at the end of the file (back to the run's last ``params`` line at
+        most) are removed, every other line kept. The values logged again *replace* the removed
+        ones, and each step's lines appear once. Then the line ``{"kind": "resume", "step":
+        step, "dropped": <lines removed>, "repaired": "cut" | "terminated" | None, "time": ...}``
+        marks where the resumed run begins.
+        """
+        self._check_open("resume")
+        self._finalizer()  # flush + close: the file is rewritten below
+        dropped, repaired = continue_jsonl(self.path, int(step))
+        self._f = open(self.path, "a", encoding="utf-8", newline="\n", buffering=1 << 16)
+        self._write = self._f.write
+        self._finalizer = weakref.finalize(self, _close_file, self._f)
+        self._line(
+            {"kind": "resume", "step": int(step), "dropped": dropped, "repaired": repaired, "time": time.time()},
+            flush=True,
+        )
+
     # -- queries -----------------------------------------------------------
 
     def info(self) -> dict:
@@ -270,6 +298,80 @@ class JSONLLogger:
         if flush:
             self._f.flush()
             self._last_flush = time.time()
+
+
+_STEP_OF_METRICS = re.compile(rb'\{"kind": "metrics", "context": "(?:[^"\\]|\\.)*", "step": (-?\d+)[,}]')
+
+
+def continue_jsonl(path: str | os.PathLike, step: int) -> tuple[int, str | None]:
+    """Make the JSON-lines file ``path`` ready for a run resumed from ``step`` to append to.
+
+    1. A torn last line (the file does not end with a newline: a process killed mid-write) is
+       cut off when it is not a whole JSON object (``"cut"``), or given its newline when it is
+       (``"terminated"``).
+    2. Every ``"metrics"`` line with a ``step`` above ``step`` after the file's last
+       ``"params"`` line (where the interrupted run, or its latest resume, began; lines
+       before it belong to earlier runs or were already continued) is removed; every other
+       line is kept, in order.
+
+    The file is rewritten from the first removed line on (the lines before it are not
+    touched). Returns ``(lines removed, "cut" | "terminated" | None)``. A missing file is
+    left missing: ``(0, None)``.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return 0, None
+    with f:
+        data = f.read()
+        repaired, end = None, len(data)
+        if data and not data.endswith(b"\n"):
+            start = data.rfind(b"\n") + 1
+            try:
+                json.loads(data[start:])
+                repaired = "terminated"
+            except ValueError:
+                repaired, end = "cut", start
+        body = data[:end] + (b"\n" if repaired == "terminated" else b"")
+        begin = body.rfind(b'\n{"kind": "params"') + 1  # the last run's first line (0: none found)
+        first_dropped, kept_after, dropped = None, [], 0
+        pos = begin
+        while pos < len(body):
+            nl = body.index(b"\n", pos)
+            raw = body[pos:nl]
+            if _step_above(raw, step):
+                dropped += 1
+                if first_dropped is None:
+                    first_dropped = pos
+            elif first_dropped is not None:
+                kept_after.append(raw)
+            pos = nl + 1
+        if first_dropped is not None:
+            at, tail = first_dropped, b"".join(line + b"\n" for line in kept_after)
+        else:  # nothing removed: the file stays as it is (a torn line cut, or terminated)
+            at, tail = end, (b"\n" if repaired == "terminated" else b"")
+        f.seek(at)
+        f.truncate()
+        f.write(tail)
+    return dropped, repaired
+
+
+def _step_above(raw: bytes, step: int) -> bool:
+    """Whether the line ``raw`` is a metrics line of a step above ``step``."""
+    match = _STEP_OF_METRICS.match(raw)  # the lines this logger writes: no parse needed
+    if match is not None:
+        return int(match.group(1)) > step
+    if b'"metrics"' not in raw:
+        return False
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return False  # a malformed line: left as it is, for read_jsonl to report
+    if not isinstance(obj, dict) or obj.get("kind") != "metrics":
+        return False
+    line_step = obj.get("step")
+    return isinstance(line_step, (int, float)) and not isinstance(line_step, bool) and line_step > step
 
 
 def read_jsonl(path: str | os.PathLike, *, restore_nonfinite: bool = False) -> list[dict]:

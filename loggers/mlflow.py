@@ -3,14 +3,25 @@
 Registered as the entry point ``mlflow`` in group ``jaxnitro``; needs the
 optional extra ``pip install 'jaxnitro[mlflow]'`` (``mlflow-skinny`` with
 ``sqlalchemy`` and ``alembic`` for the SQLite store; the full ``mlflow`` works
-too). The hook :func:`jaxnitro_make_logger` answers ``"mlflow"`` with an
-:class:`MLflowLogger` whose store is ``sqlite:///<run folder>/mlflow.db`` (and
-artifacts in ``<run folder>/mlartifacts``), so a run folder carries its own
-tracking data: ``mlflow ui --backend-store-uri sqlite:///<run folder>/mlflow.db``.
-``jaxnitro.MLflowLogger`` (exported through ``jaxnitro_exports``) builds a
-configured one: ``logger=jn.MLflowLogger(tracking_uri="sqlite:///runs/mlflow.db")``
-collects every run in one store (one MLflow experiment per experiment class),
-``tracking_uri="http://host:5000"`` logs to a tracking server.
+too; the UI, ``mlflow ui``, needs the full ``mlflow``: ``jaxnitro[mlflow-ui]``). The hook
+:func:`jaxnitro_make_logger` answers ``"mlflow"`` with an :class:`MLflowLogger` whose
+store is one SQLite file at the root of the ``run_dir``, shared by every run made there:
+``sqlite:///<run_dir>/mlflow.db``, artifacts in ``<run_dir>/mlartifacts``, so
+``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db`` shows them side by side.
+``jaxnitro.MLflowLogger`` (exported through ``jaxnitro_exports``) builds a configured one:
+``tracking_uri="sqlite:///elsewhere/mlflow.db"`` picks another store,
+``tracking_uri="http://host:5000"`` a tracking server.
+
+**One MLflow run per jaxnitro run, across resumes.** Each run folder records its MLflow
+run in ``<run folder>/mlflow_run.json`` (tracking URI, experiment id, run id). A run
+resumed into that folder (``resume=``; jaxnitro calls :meth:`MLflowLogger.resume` first)
+reopens the same MLflow run: its status goes back to ``RUNNING``, then to
+``FINISHED``/``FAILED``/``KILLED`` at the end. Values at steps the MLflow run already holds
+(what the interrupted run logged past its checkpoint, which the resumed run computes again)
+are *skipped*, per metric key: MLflow keeps the first value of such a step (MLflow has no
+call to delete a logged value), and each step appears once. Params are immutable in MLflow:
+a parameter already there is not logged again, and one whose value changed on resume
+(``knob/max_epochs`` for a longer run, say) goes to the tag ``jaxnitro.resume/<name>``.
 
 What a run records (through ``MlflowClient``, never the process-global
 ``mlflow.start_run`` state, so several loggers and runs never mix):
@@ -49,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -61,7 +73,9 @@ from jaxnitro.logger import scalar_value
 
 __all__ = [
     "MAX_PARAM_LENGTH",
+    "RUN_FILE",
     "RUN_STATUS",
+    "STORE_FILE",
     "MLflowLogger",
     "MLflowRun",
     "MLflowStoreError",
@@ -88,6 +102,10 @@ _BATCH_PARAMS = 100  # MLflow's per-request limits
 _BATCH_METRICS = 1000
 _BAD_CHARACTER = re.compile(r"[^\w.\- /]")
 _INSTALL = "pip install 'jaxnitro[mlflow]' (or pip install mlflow-skinny sqlalchemy alembic)"
+RUN_FILE = "mlflow_run.json"
+"""The file in a run folder that names the folder's MLflow run (for resumes)."""
+STORE_FILE = "mlflow.db"
+"""The default store's SQLite file, at the root of the ``run_dir``."""
 
 
 def _require(tracking_uri: str | None) -> None:
@@ -183,18 +201,19 @@ class MLflowLogger:
 
     - `tracking_uri`: the store (``"sqlite:///path/mlflow.db"``, a server's
         ``"http://..."``, ``"databricks"``). ``None`` (the default) means
-        ``sqlite:///<run folder>/mlflow.db``, the run folder being the one
+        ``sqlite:///<run_dir>/mlflow.db``: one store at the root of the ``run_dir``,
+        the folder holding the run folders (the parent of the run folder
         ``jaxnitro_make_logger`` passes or, for a logger object given as the
-        ``logger`` knob, the ``"run_dir"`` entry of the parameters every run logs
-        first. Without either, MLflow's own default (``MLFLOW_TRACKING_URI``).
+        ``logger`` knob, of the ``"run_dir"`` entry of the parameters every run logs
+        first). Without either, MLflow's own default (``MLFLOW_TRACKING_URI``).
     - `experiment_name`: the MLflow experiment (default: the experiment class's
         name, else ``"jaxnitro"``); made if missing.
     - `run_name`: the MLflow run's name (default: the run folder's name).
     - `tags`: extra tags for the run.
     - `artifact_location`: where a *new* MLflow experiment keeps artifacts.
-        Default: ``<run folder>/mlartifacts`` with the default store,
-        ``mlartifacts`` next to the database file of another SQLite store, and
-        the store's own choice otherwise (a server decides).
+        Default: ``mlartifacts`` next to the database file of a SQLite store
+        (``<run_dir>/mlartifacts`` with the default store), and the store's own choice
+        otherwise (a server decides).
     - `run_dir`: the run folder, when known beforehand (the hook passes it);
         otherwise each run's own, from its parameters.
     - `flush_interval`: the most seconds train values wait before they are sent
@@ -202,7 +221,8 @@ class MLflowLogger:
 
     **Runs.** The MLflow run is made at the first verb (for a jaxnitro run:
     ``log_params`` at run start, so a run that fails before it leaves no empty
-    MLflow run) and ended by :meth:`finish`. A finished logger given as the knob
+    MLflow run) and ended by :meth:`finish`; after :meth:`resume`, the run folder's
+    MLflow run is reopened instead (see the module docstring). A finished logger given as the knob
     again (a second ``train()``) starts a new MLflow run at the next
     ``log_params``; every other verb on a finished logger raises
     ``RuntimeError``. Log from one thread.
@@ -232,26 +252,53 @@ class MLflowLogger:
         self._status: str | None = None
         self._pending: list = []
         self._last_send = time.monotonic()
+        self._resumed: int | None = None  # resume(step) was called for the next run
+        self._held: dict[str, int] = {}  # a reopened run: metric key -> the last step it holds
+        self._params: dict[str, str] = {}  # a reopened run: the params it holds
 
     def __repr__(self) -> str:
         """The configuration only (it is logged as the ``knob/logger`` param of every run)."""
-        uri = self.tracking_uri or "sqlite:///<run folder>/mlflow.db"
+        uri = self.tracking_uri or "sqlite:///<run_dir>/mlflow.db"
         name = f", experiment_name={self.experiment_name!r}" if self.experiment_name else ""
         return f"MLflowLogger({uri!r}{name})"
 
     # -- the logger contract ---------------------------------------------------
 
+    def resume(self, step: int) -> None:
+        """The next run continues its run folder from optimizer step ``step`` (a resumed
+        checkpoint's): jaxnitro calls this before anything else of the run. At ``log_params``
+        the folder's MLflow run (``mlflow_run.json``) is reopened, when it is in this store;
+        else a new MLflow run is made, as without a resume."""
+        if self._status is not None:  # a reused logger object: the next run is a new one
+            self._run, self._status, self._pending = None, None, []
+        if self._run is not None:
+            raise RuntimeError(
+                f"MLflowLogger.resume: MLflow run {self._run.run_id} is already started; resume(step) "
+                f"comes before the run's first verb (jaxnitro calls it so)."
+            )
+        self._resumed = int(step)
+
     def log_params(self, params: dict) -> None:
-        """Start the MLflow run (a new one after :meth:`finish`) and log ``params`` as MLflow params."""
+        """Start the MLflow run (a new one after :meth:`finish`; the run folder's own after
+        :meth:`resume`) and log ``params`` as MLflow params."""
         if self._status is not None:  # a reused logger object: a new run
             self._run, self._status, self._pending = None, None, []
         run = self._start("log_params", params)
         from mlflow.entities import Param
 
-        entries = [Param(mlflow_name(k), param_value(v)) for k, v in params.items()]
+        entries, changed = [], {}
+        for k, v in params.items():
+            key, text = mlflow_name(k), param_value(v)
+            held = self._params.get(key)
+            if held is None:
+                entries.append(Param(key, text))
+            elif held != text:  # MLflow refuses to change a param: the resumed value is a tag
+                changed[mlflow_name(f"jaxnitro.resume/{k}")] = text
         with self._store_errors("log_params"):
             for i in range(0, len(entries), _BATCH_PARAMS):
                 run.client.log_batch(run.run_id, params=entries[i : i + _BATCH_PARAMS])
+            for key, text in changed.items():
+                run.client.set_tag(run.run_id, key, text)
 
     def log_other(self, key: str, value: Any) -> None:
         """Store ``value`` as the artifact ``<key>.txt`` (a non-string as indented JSON)."""
@@ -266,11 +313,14 @@ class MLflowLogger:
         self._start("log_metrics")
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now, step, held = int(time.time() * 1000), int(step), self._held
         for name, value in metrics.items():
             number = scalar_value(value)
             if number is not None:
-                self._pending.append(Metric(mlflow_name(f"{context}/{name}"), number, now, int(step)))
+                key = mlflow_name(f"{context}/{name}")
+                if held and step <= held.get(key, -1):
+                    continue  # a reopened run holds this step already (logged before the resume)
+                self._pending.append(Metric(key, number, now, step))
         if (
             context != "train"
             or len(self._pending) >= _BATCH_METRICS
@@ -288,7 +338,7 @@ class MLflowLogger:
                 self.flush()
                 run.client.set_tag(run.run_id, "jaxnitro.status", self._status)
             finally:
-                self._pending = []
+                self._pending, self._held, self._params, self._resumed = [], {}, {}, None
                 run.client.set_terminated(run.run_id, RUN_STATUS.get(self._status, "FAILED"))
 
     # -- queries -----------------------------------------------------------------
@@ -352,13 +402,13 @@ class MLflowLogger:
         if self._run is not None:
             return self._run
         params = params or {}
-        run_dir = self.run_dir or (Path(params["run_dir"]) if params.get("run_dir") else None)
+        folder = self.run_dir or (Path(params["run_dir"]) if params.get("run_dir") else None)
         uri, artifacts = self.tracking_uri, self.artifact_location
-        if uri is None and run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            uri = "sqlite:///" + str(run_dir.resolve() / "mlflow.db")
-            artifacts = artifacts or (run_dir.resolve() / "mlartifacts").as_uri()
-        elif artifacts is None and uri is not None and uri.startswith("sqlite:///"):
+        if uri is None and folder is not None:  # the run_dir's store: the folder above the run folders
+            root = folder.resolve().parent
+            root.mkdir(parents=True, exist_ok=True)
+            uri = "sqlite:///" + str(root / STORE_FILE)
+        if artifacts is None and uri is not None and uri.startswith("sqlite:///"):
             database = Path(uri[len("sqlite:///") :])
             if str(database) not in ("", ":memory:"):
                 artifacts = (database.resolve().parent / "mlartifacts").as_uri()
@@ -366,16 +416,58 @@ class MLflowLogger:
 
         self._uri = uri
         name = self.experiment_name or params.get("experiment") or "jaxnitro"
-        tags = {"jaxnitro.run_dir": str(run_dir)} if run_dir else {}
+        tags = {"jaxnitro.run_dir": str(folder)} if folder else {}
         tags.update((str(k), str(v)) for k, v in self.tags.items())
-        run_name = self.run_name or (run_dir.name if run_dir else None)
+        run_name = self.run_name or (folder.name if folder else None)
         with self._store_errors(verb):
             client = MlflowClient(tracking_uri=uri)
-            experiment_id = _experiment_id(client, str(name), artifacts)
-            created = client.create_run(experiment_id, run_name=run_name, tags=tags)
-        self._run = MLflowRun(client, created.info.run_id, experiment_id, client.tracking_uri)
+            reopened = self._reopen(client, folder) if self._resumed is not None else None
+            if reopened is not None:
+                experiment_id, run_id = reopened
+            else:
+                experiment_id = _experiment_id(client, str(name), artifacts)
+                run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        self._run = MLflowRun(client, run_id, experiment_id, client.tracking_uri)
+        if folder is not None and reopened is None:
+            _write_run_file(folder, self._run)
         self._last_send = time.monotonic()
         return self._run
+
+    def _reopen(self, client, folder: Path | None) -> tuple[str, str] | None:
+        """Reopen the MLflow run ``folder/mlflow_run.json`` names, when it is in ``client``'s
+        store: status back to ``RUNNING``, what it holds read (last step per metric key, params).
+        Returns ``(experiment id, run id)``, or None (no file, another store, a deleted run)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            record = json.loads((folder / RUN_FILE).read_text()) if folder is not None else None
+        except (OSError, ValueError):
+            record = None
+        if not isinstance(record, dict) or record.get("tracking_uri") != client.tracking_uri:
+            return None
+        try:
+            run = client.get_run(str(record.get("run_id")))
+        except MlflowException as err:
+            if _is_store_failure(err):
+                raise
+            return None  # deleted from the store meanwhile: a new MLflow run
+        if run.info.lifecycle_stage == "deleted":
+            return None
+        self._held = {m.key: int(m.step) for m in run.data.to_proto().metrics}
+        self._params = dict(run.data.params)
+        resumes = [p for p in run.data.tags.get("jaxnitro.resumed_from", "").split(",") if p]
+        client.set_tag(run.info.run_id, "jaxnitro.resumed_from", ",".join([*resumes, str(self._resumed)]))
+        client.update_run(run.info.run_id, status="RUNNING")
+        return run.info.experiment_id, run.info.run_id
+
+
+def _write_run_file(folder: Path, run: MLflowRun) -> None:
+    """Record the run folder's MLflow run in ``folder/mlflow_run.json`` (atomically)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"tracking_uri": run.tracking_uri, "experiment_id": run.experiment_id, "run_id": run.run_id}
+    tmp = folder / f".{RUN_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, folder / RUN_FILE)
 
 
 def _experiment_id(client, name: str, artifact_location: str | None) -> str:
@@ -397,7 +489,8 @@ def _experiment_id(client, name: str, artifact_location: str | None) -> str:
 
 @hookimpl(trylast=True)
 def jaxnitro_make_logger(name, run_dir, experiment):
-    """An :class:`MLflowLogger` with its store in the run's folder for ``"mlflow"``; else None.
+    """An :class:`MLflowLogger` for ``"mlflow"`` (its store: ``mlflow.db`` at the root of the
+    ``run_dir``, the run folder's parent); else None.
 
     Raises ``ImportError`` naming the extra when MLflow (or SQLAlchemy/Alembic) is missing.
     """

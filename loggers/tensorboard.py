@@ -1,8 +1,9 @@
 """The TensorBoard logger: event files in the run folder, ``logger="tensorboard"``.
 
 Registered as the entry point ``tensorboard`` in group ``jaxnitro``; needs the
-optional extra ``pip install 'jaxnitro[tensorboard]'`` (``tensorboardX``, the
-writer; TensorBoard itself is only needed to look at the files). The hook
+optional extra ``pip install 'jaxnitro[tensorboard]'`` (``tensorboardX``, whose
+summary builders and record format the logger writes with, and ``tensorboard``,
+to look at the files: ``tensorboard --logdir <run_dir>``). The hook
 :func:`jaxnitro_make_logger` answers ``"tensorboard"`` and ``"tb"`` with a
 :class:`TensorBoardLogger` writing into the run's own folder, so
 ``tensorboard --logdir runs`` shows one TensorBoard run per jaxnitro run.
@@ -25,6 +26,19 @@ What a run writes (tags; the step axis is the optimizer step):
   status (``done`` -> success; ``diverged``, ``failed``, ``interrupted``,
   ``terminated`` -> failure, the only other end the HParams protocol knows).
 
+**Durability.** The logger writes its event file itself, synchronously (tensorboardX's
+``SummaryWriter`` hands events to a background thread whose ``flush()`` does not wait for
+the queue, so a kill right after a validation lost it): every event is in the file's buffer
+when its verb returns, and a validation line, :meth:`~TensorBoardLogger.flush` (at each
+epoch's end), the binding report, the parameters and the end of the run push the file to
+disk (``fsync``) before returning. Train lines are pushed at most ``flush_secs`` later.
+
+**Resume.** A run resumed from a checkpoint at step ``S`` into its own folder
+(:meth:`~TensorBoardLogger.resume`) opens a new event file that begins with a
+``SessionLog.START`` event at step ``S + 1``: TensorBoard's reader then drops every event
+of the folder's earlier files at a step above ``S`` (what the interrupted run logged past its
+checkpoint), and the resumed run's values replace them, so each step appears once.
+
 This module imports ``tensorboardX`` only when a logger starts writing, so the
 plugin loads (and the other loggers work) without the extra installed.
 """
@@ -34,6 +48,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +81,7 @@ SESSION_STATUS = {
 HParams protocol knows no "aborted": every run that did not end ``done`` is a failure there,
 and the text ``status`` keeps the run's own word."""
 
-_INSTALL = "pip install 'jaxnitro[tensorboard]' (or pip install tensorboardX)"
+_INSTALL = "pip install 'jaxnitro[tensorboard]' (or pip install tensorboardX tensorboard)"
 
 
 def _require_tensorboardx() -> None:
@@ -110,32 +126,28 @@ class TensorBoardLogger:
         the parameters every run logs first (``log_params``). So
         ``logger=TensorBoardLogger(flush_secs=1)`` writes into each run's folder,
         and ``logger=TensorBoardLogger("tb/sweep")`` into one fixed folder.
-    - `flush_secs`: the most seconds events wait in the writer's queue
-        (default 10). Every validation and the end of the run are flushed at once.
-    - `max_queue`: events queued before a write is forced (default 100).
+    - `flush_secs`: the most seconds train values wait in the file's buffer before they
+        are pushed to disk (default 10). A validation, :meth:`flush`, the parameters, the
+        binding report and the end of the run are pushed at once (see the module docstring).
 
-    **Runs.** The writer opens at the first verb and closes at :meth:`finish`
-    (everything flushed). A finished logger given as the knob again (a second
-    ``train()``) opens a new writer at the next ``log_params``; every other
+    **Runs.** The event file opens at the first verb and closes at :meth:`finish`
+    (everything on disk). A finished logger given as the knob again (a second
+    ``train()``) opens a new file at the next ``log_params``; every other
     verb on a finished logger raises ``RuntimeError``. Log from one thread.
     """
 
-    def __init__(
-        self,
-        log_dir: str | os.PathLike | None = None,
-        *,
-        flush_secs: float = 10,
-        max_queue: int = 100,
-    ):
+    def __init__(self, log_dir: str | os.PathLike | None = None, *, flush_secs: float = 10):
         _require_tensorboardx()
         self.log_dir = None if log_dir is None else Path(log_dir)
-        self.flush_secs = flush_secs
-        self.max_queue = int(max_queue)
-        self._writer = None
-        self._last_writer = None
+        self.flush_secs = float(flush_secs)
+        self._file: _EventFile | None = None
+        self._writer = None  # the backend SummaryWriter, made when asked for
         self._dir: Path | None = None  # where the current (or last) run writes
         self._status: str | None = None
         self._step = 0
+        self._resumed: int | None = None
+        self._path: Path | None = None
+        self._last_flush = time.monotonic()
 
     def __repr__(self) -> str:
         """The configuration only (it is logged as the ``knob/logger`` param of every run)."""
@@ -143,54 +155,82 @@ class TensorBoardLogger:
 
     # -- the logger contract ---------------------------------------------------
 
+    def resume(self, step: int) -> None:
+        """The run continues its folder from optimizer step ``step`` (a resumed checkpoint's):
+        called by jaxnitro before anything else of the run is logged. The run's event file then
+        begins with a ``SessionLog.START`` event at step ``step + 1``, so TensorBoard drops what
+        the interrupted run logged past ``step`` and shows the resumed run's values there."""
+        self._resumed = int(step)
+        self._step = int(step)
+        if self._file is not None:  # already writing: mark the restart in this file
+            self._file.restart(int(step) + 1)
+
     def log_params(self, params: dict) -> None:
-        """Start the run's writer (a new one after :meth:`finish`) and write ``params`` as the
-        HParams session and as the text ``params``."""
+        """Open the run's event file (a new one after :meth:`finish`) and write ``params`` as the
+        HParams session and as the text ``params``; flushed."""
         if self._status is not None:  # a reused logger object: a new run
-            self._status, self._writer, self._dir, self._step = None, None, None, 0
-        writer = self._open(params.get("run_dir"))
-        from tensorboardX.summary import hparams
+            self._status, self._file, self._writer, self._dir = None, None, None, None
+            self._step = self._resumed or 0
+        file = self._open(params.get("run_dir"))
+        from tensorboardX.summary import hparams, text
 
         _, session_start, _ = hparams({str(k): _hparam(v) for k, v in params.items()}, {})
-        writer.file_writer.add_summary(session_start)
+        file.add_summary(session_start, self._step)
         rows = "\n".join(f"| {_markdown_cell(k)} | {_markdown_cell(v)} |" for k, v in params.items())
-        writer.add_text("params", "| parameter | value |\n|---|---|\n" + rows, 0)
-        writer.flush()
+        file.add_summary(text("params", "| parameter | value |\n|---|---|\n" + rows), self._step)
+        self.flush()
 
     def log_other(self, key: str, value: Any) -> None:
-        """Write ``value`` as the text ``key``, verbatim (a non-string as JSON)."""
-        writer = self._open(None, verb="log_other")
-        text = value if isinstance(value, str) else json.dumps(value, default=repr, indent=1)
-        writer.add_text(str(key), _verbatim(text), self._step)
-        writer.flush()
+        """Write ``value`` as the text ``key``, verbatim (a non-string as JSON); flushed."""
+        file = self._open(None, verb="log_other")
+        from tensorboardX.summary import text
+
+        body = value if isinstance(value, str) else json.dumps(value, default=repr, indent=1)
+        file.add_summary(text(str(key), _verbatim(body)), self._step)
+        self.flush()
 
     def log_metrics(self, metrics: dict, *, step: int, epoch: int, context: str) -> None:
         """Write each metric under ``<context>/<name>`` at ``step``: a number as a scalar, an
-        array as a histogram, a string as a text; ``None`` is skipped. Never fails on a value."""
-        writer = self._open(None, verb="log_metrics")
+        array as a histogram, a string as a text; ``None`` is skipped. Never fails on a value.
+        Anything but a train line is on disk when this returns."""
+        file = self._open(None, verb="log_metrics")
+        from tensorboardX.summary import scalar, text
+
         self._step = int(step)
         for name, value in metrics.items():
             tag = f"{context}/{name}"
             number = scalar_value(value)
             if number is not None:
-                writer.add_scalar(tag, number, self._step)
+                file.add_summary(scalar(tag, number), self._step)
             elif isinstance(value, str):
-                writer.add_text(tag, value, self._step)
+                file.add_summary(text(tag, value), self._step)
             elif value is not None:
-                self._histogram(writer, tag, value)
-        if context != "train":
-            writer.flush()
+                self._histogram(file, tag, value)
+        if context != "train" or time.monotonic() - self._last_flush >= self.flush_secs:
+            self.flush()
 
     def finish(self, status: str) -> None:
-        """Write the status (text ``status``, HParams session end), flush and close the writer."""
-        writer = self._open(None, verb="finish")
+        """Write the status (text ``status``, HParams session end), push the file to disk and
+        close it (and the :attr:`backend` writer, if one was made)."""
+        file = self._open(None, verb="finish")
+        from tensorboardX.summary import text
+
         self._status = str(status)
         try:
-            writer.add_text("status", self._status, self._step)
-            writer.file_writer.add_summary(_session_end(self._status))
+            file.add_summary(text("status", self._status), self._step)
+            file.add_summary(_session_end(self._status), self._step)
         finally:
-            self._writer = None
-            writer.close()
+            self._file = None
+            self._resumed = None
+            file.close()
+            if self._writer is not None:
+                self._writer.close()
+
+    def flush(self) -> None:
+        """Push what is written to disk now (the file's buffer, then ``fsync``). A no-op between runs."""
+        if self._file is not None:
+            self._file.flush()
+        self._last_flush = time.monotonic()
 
     # -- queries -----------------------------------------------------------------
 
@@ -201,22 +241,32 @@ class TensorBoardLogger:
 
     @property
     def backend(self):
-        """The run's ``tensorboardX.SummaryWriter``, for what the logger does not write (images,
-        histograms of weights, a graph); ``None`` before the first verb. After :meth:`finish` it is
-        the closed writer of the last run: adding to it opens a new event file in the same folder,
-        which you close (``.close()``)."""
-        return self._writer if self._writer is not None else self._last_writer
+        """A ``tensorboardX.SummaryWriter`` on the run's folder, for what the logger does not write
+        (images, histograms of weights, a graph): made at the first access during a run (its own
+        event file, beside the logger's), closed by :meth:`finish`. ``None`` before the first
+        verb; after :meth:`finish`, the closed writer of the last run (adding to it opens a new
+        event file in the same folder, which you close), or ``None`` if none was made."""
+        if self._writer is None and self._file is not None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=str(self._dir), flush_secs=self.flush_secs, filename_suffix=".backend")
+        return self._writer
 
     @property
     def finished(self) -> bool:
         """Whether the last run was finished."""
         return self._status is not None
 
+    @property
+    def path(self) -> Path | None:
+        """The event file the current (or last) run writes, or None before the first verb."""
+        return self._path
+
     # -- internals ---------------------------------------------------------------
 
-    def _open(self, run_dir, verb: str = "log_params"):
-        if self._writer is not None:
-            return self._writer
+    def _open(self, run_dir, verb: str = "log_params") -> "_EventFile":
+        if self._file is not None:
+            return self._file
         if self._status is not None:
             raise RuntimeError(
                 f"TensorBoardLogger.{verb}: the run writing to {str(self._dir)!r} is finished "
@@ -228,23 +278,85 @@ class TensorBoardLogger:
                 f"TensorBoardLogger.{verb}: no folder to write to. Pass log_dir=..., or log the "
                 f"parameters first (jaxnitro's runs do: their 'run_dir' names the folder)."
             )
-        from tensorboardX import SummaryWriter
-
         where.mkdir(parents=True, exist_ok=True)
         self._dir = where
-        self._writer = SummaryWriter(logdir=str(where), flush_secs=self.flush_secs, max_queue=self.max_queue)
-        self._last_writer = self._writer
-        return self._writer
+        self._file = _EventFile(where, restart_at=None if self._resumed is None else self._resumed + 1)
+        self._path = self._file.path
+        self._last_flush = time.monotonic()
+        return self._file
 
-    def _histogram(self, writer, tag: str, value: Any) -> None:
+    def _histogram(self, file: "_EventFile", tag: str, value: Any) -> None:
+        from tensorboardX.summary import histogram, text
+
         try:
             array = np.asarray(value, dtype=np.float64).ravel()
         except Exception:  # noqa: BLE001 - not numbers: written as its text
-            writer.add_text(tag, repr(value), self._step)
+            file.add_summary(text(tag, repr(value)), self._step)
             return
         finite = array[np.isfinite(array)]
         if finite.size:  # a histogram of nothing, or of NaN, is refused by the writer
-            writer.add_histogram(tag, finite, self._step)
+            file.add_summary(histogram(tag, finite, _default_bins()), self._step)
+
+
+class _EventFile:
+    """One TensorBoard event file, written synchronously in TensorBoard's record format.
+
+    Named ``events.out.tfevents.<unix time>.<host>.<pid>.jaxnitro`` (a counter appended if
+    taken), so it never replaces another writer's file. Every event is handed to the file at
+    once; :meth:`flush` pushes it to disk (tensorboardX's ``RecordWriter.flush``: the buffer,
+    then ``fsync``). ``restart_at``: begin with a ``SessionLog.START`` event at that step.
+    """
+
+    def __init__(self, folder: Path, restart_at: int | None = None):
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.record_writer import RecordWriter
+
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.jaxnitro"
+        path, n = folder / name, 1
+        while path.exists():
+            n += 1
+            path = folder / f"{name}.{n}"
+        self.path = path
+        self._records = RecordWriter(str(path))
+        self._event = Event
+        self._add(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if restart_at is not None:
+            self.restart(restart_at)
+
+    def _add(self, event) -> None:
+        self._records.write(event.SerializeToString())
+
+    def add_summary(self, summary, step: int) -> None:
+        self._add(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def restart(self, step: int) -> None:
+        """A ``SessionLog.START`` at ``step``: TensorBoard drops the folder's earlier events at or after it."""
+        from tensorboardX.proto.event_pb2 import SessionLog
+
+        self._add(self._event(wall_time=time.time(), step=int(step), session_log=SessionLog(status=SessionLog.START)))
+        self.flush()
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._records.close()
+
+
+_BINS: list | None = None
+
+
+def _default_bins() -> list:
+    """The bucket limits tensorboardX's ``SummaryWriter`` uses for ``bins="tensorflow"``."""
+    global _BINS
+    if _BINS is None:
+        v, buckets = 1e-12, []
+        while v < 1e20:
+            buckets.append(v)
+            v *= 1.1
+        _BINS = [-b for b in reversed(buckets)] + [0] + buckets
+    return _BINS
 
 
 def _session_end(status: str):

@@ -8,6 +8,7 @@ default store (in the run folder) is made once, and the other tests share a copy
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:mlflow.*")
 import jaxnitro as jn
 import jaxnitro.loggers.mlflow as mlflow_logger
 from jaxnitro.loggers.jsonl import read_jsonl
-from logger_plugin_support import fresh_copy, plugin_module, stopping_after_first_epoch
+from logger_plugin_support import fetch, free_port, fresh_copy, kill_after, plugin_module, server, stopping_after_first_epoch
 from tiny import Tiny, tiny_data
 
 DATA = tiny_data()  # 6 train batches, a val split: 2 epochs are steps 1..12, validations at 6 and 12
@@ -57,7 +58,7 @@ def store(default_run, tmp_path_factory) -> str:
     whose schema is already made (making one costs 1-5 s)."""
     _, n = default_run
     copy = tmp_path_factory.mktemp("shared") / "mlflow.db"
-    shutil.copyfile(Path(n.run_dir) / "mlflow.db", copy)
+    shutil.copyfile(Path(n.run_dir).parent / "mlflow.db", copy)
     return "sqlite:///" + str(copy)
 
 
@@ -74,8 +75,9 @@ def test_a_default_run_reads_back_with_mlflowclient_as_the_jsonl_logger_wrote_it
     run_dir = Path(n.run_dir)
     lines = read_jsonl(run_dir / "metrics.jsonl", restore_nonfinite=True)
     assert sorted(p.name for p in root.iterdir()) == ["runs"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == sorted(["mlflow.db", "mlartifacts", run_dir.name])
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")  # the store is in the run folder
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/runs/mlflow.db")  # one store at the run_dir's root
     (experiment,) = [e for e in client.search_experiments() if e.name == "Tiny"]
     (run,) = client.search_runs([experiment.experiment_id])
     backend = jn.backend(n.loggers[1])
@@ -97,7 +99,10 @@ def test_a_default_run_reads_back_with_mlflowclient_as_the_jsonl_logger_wrote_it
 
     report = next(ln["value"] for ln in lines if ln.get("key") == "binding_report")
     assert read_artifact(client, run.info.run_id, "binding_report.txt", tmp_path) == report
-    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(run_dir / "mlartifacts")
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(root / "runs" / "mlartifacts")
+    assert json.loads((run_dir / "mlflow_run.json").read_text()) == {
+        "tracking_uri": f"sqlite:///{root}/runs/mlflow.db", "experiment_id": experiment.experiment_id, "run_id": run.info.run_id,
+    }
 
 
 @pytest.mark.parametrize(
@@ -191,3 +196,106 @@ def test_a_store_out_of_reach_is_reported_and_training_goes_on(tmp_path, monkeyp
     with pytest.raises(mlflow_logger.MLflowStoreError) as caught:
         mlflow_logger.MLflowLogger("http://127.0.0.1:9").log_params({})
     assert isinstance(caught.value, OSError) and caught.value.__cause__ is not None
+
+
+def test_a_resumed_run_folder_reopens_its_mlflow_run(tmp_path, store):
+    """resume(step): the run folder's MLflow run (mlflow_run.json) is reopened, RUNNING again; steps
+    it holds are skipped per key; a param whose value changed goes to a jaxnitro.resume/ tag."""
+    folder = tmp_path / "20260101-000000-1"
+    first = mlflow_logger.MLflowLogger(tracking_uri=store, experiment_name="resumes", run_dir=folder)
+    first.log_params({"run_dir": str(folder), "knob/max_epochs": 2})
+    for step in (1, 2, 3):
+        first.log_metrics({"loss": step / 10}, step=step, epoch=1, context="train")
+    first.log_metrics({"loss": 0.5}, step=2, epoch=1, context="validate")
+    run_id = jn.backend(first).run_id  # killed here: never finished, RUNNING
+    assert json.loads((folder / "mlflow_run.json").read_text())["run_id"] == run_id
+
+    again = mlflow_logger.MLflowLogger(tracking_uri=store, experiment_name="resumes", run_dir=folder)
+    again.resume(2)  # the checkpoint is at step 2; step 3 was logged past it
+    again.log_params({"run_dir": str(folder), "knob/max_epochs": 4, "new": "x"})
+    b = jn.backend(again)
+    assert b.run_id == run_id and b.run.info.status == "RUNNING"
+    for step in (3, 4):
+        again.log_metrics({"loss": step}, step=step, epoch=2, context="train")
+    again.log_metrics({"loss": 0.25}, step=4, epoch=2, context="validate")
+    again.finish("done")
+
+    run = b.run
+    assert run.info.status == "FINISHED" and run.data.tags["jaxnitro.resumed_from"] == "2"
+    assert history(b.client, run_id, "train/loss") == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0)]  # step 3 kept once
+    assert history(b.client, run_id, "validate/loss") == [(2, 0.5), (4, 0.25)]
+    assert run.data.params["knob/max_epochs"] == "2" and run.data.params["new"] == "x"
+    assert run.data.tags["jaxnitro.resume/knob/max_epochs"] == "4"
+    assert len(b.client.search_runs([run.info.experiment_id])) == 1
+
+    other = mlflow_logger.MLflowLogger(tracking_uri=store, experiment_name="resumes", run_dir=tmp_path / "other")
+    other.resume(2)  # a folder without mlflow_run.json: a new MLflow run
+    other.log_params({})
+    assert jn.backend(other).run_id != run_id
+
+
+# -- two runs in one run_dir, the second killed and resumed; the MLflow UI on their store ------------
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """A run_dir with two runs of Tiny (3 epochs, 18 steps): the first done, the second SIGKILLed
+    right after its epoch-2 validation (logged to step 12, newest checkpoint at step 6) and
+    resumed with ``resume="auto"``. Returns the run_dir, the two handles and the second run's
+    MLflow run id, as its folder recorded it before the kill."""
+    root = tmp_path_factory.mktemp("two_runs")
+    keep = jn.Checkpointer(keep=jn.Last(2), asynchronous=False)
+    with plugin_module(mlflow_logger, "mlflow"):
+        first = jn.train(Tiny(max_epochs=3), data=DATA, run_dir=root, logger=["jsonl", "mlflow"], checkpointer=keep)
+        kill_after(root, "jsonl,mlflow", "validate@2", max_epochs=3)
+        (folder,) = [p for p in root.iterdir() if p.is_dir() and p.name not in (Path(first.run_dir).name, "mlartifacts")]
+        run_id = json.loads((folder / "mlflow_run.json").read_text())["run_id"]
+        client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+        killed = client.get_run(run_id)
+        assert killed.info.status == "RUNNING" and [s for s, _ in history(client, run_id, "validate/loss")] == [6, 12]
+        second = jn.Nitro(Tiny(max_epochs=3), data=DATA, run_dir=root, resume="auto", logger=["jsonl", "mlflow"], checkpointer=keep)
+        assert second.plan.resumed.step == 6 and second.plan.resumed.run_folder == str(folder)
+        second.train()
+    return root, first, second, run_id
+
+
+@pytest.mark.slow  # a fresh training process and three runs (~30 s on 2 cores)
+def test_two_runs_and_a_killed_resumed_one_are_two_mlflow_runs_with_each_step_once(killed_and_resumed):
+    root, first, second, run_id = killed_and_resumed
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")  # the run_dir's one store
+    experiment = client.get_experiment_by_name("Tiny")
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == sorted([Path(first.run_dir).name, Path(second.run_dir).name])  # exactly two
+    resumed = runs[Path(second.run_dir).name]
+    assert resumed.info.run_id == run_id  # continued, not a new MLflow run
+    assert all(r.info.status == "FINISHED" and r.data.tags["jaxnitro.status"] == "done" for r in runs.values())
+    assert resumed.data.tags["jaxnitro.resumed_from"] == "6"
+    for r in runs.values():
+        assert [s for s, _ in history(client, r.info.run_id, "train/loss")] == list(range(1, 19))  # each once
+        assert [s for s, _ in history(client, r.info.run_id, "validate/loss")] == [6, 12, 18]
+        assert [s for s, _ in history(client, r.info.run_id, "data/data_wait_frac")] == [6, 12, 18]
+    lines = read_jsonl(Path(second.run_dir) / "metrics.jsonl", restore_nonfinite=True)
+    train = [(ln["step"], ln["loss"]) for ln in lines if ln.get("context") == "train"]
+    assert [s for s, _ in train] == list(range(1, 19))
+    assert history(client, run_id, "train/loss") == train  # MLflow holds what metrics.jsonl holds
+
+
+@pytest.mark.slow  # the MLflow server takes 10-40 s to start on 2 cores
+def test_the_docs_mlflow_ui_command_serves_the_page_and_the_runs(killed_and_resumed):
+    root, first, second, run_id = killed_and_resumed
+    pytest.importorskip("flask", reason="mlflow ui needs the full mlflow (jaxnitro[mlflow-ui])")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    mlflow_cli = str(Path(sys.executable).parent / "mlflow")
+    command = [mlflow_cli, "ui", "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    with server(command, base + "/"):
+        import urllib.request
+
+        with urllib.request.urlopen(base + "/", timeout=30) as page:
+            html = page.read().decode()
+        assert "<!doctype html>" in html.lower() and "static-files" in html  # the UI's own page
+        experiment = fetch(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Tiny")["experiment"]
+        found = fetch(f"{base}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+        assert sorted(r["info"]["run_name"] for r in found) == sorted([Path(first.run_dir).name, Path(second.run_dir).name])
+        assert run_id in [r["info"]["run_id"] for r in found]
+        assert {r["info"]["status"] for r in found} == {"FINISHED"}

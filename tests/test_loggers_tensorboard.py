@@ -23,7 +23,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 import jaxnitro as jn
 import jaxnitro.loggers.tensorboard as tensorboard_logger
 from jaxnitro.loggers.jsonl import read_jsonl
-from logger_plugin_support import fresh_copy, plugin_module, stopping_after_first_epoch
+from logger_plugin_support import fetch, free_port, fresh_copy, kill_after, plugin_module, server, stopping_after_first_epoch
 from tiny import Tiny, tiny_data
 
 DATA = tiny_data()  # 6 train batches, a val split: 2 epochs are steps 1..12, validations at 6 and 12
@@ -97,7 +97,21 @@ def test_every_value_of_a_run_reads_back_as_the_jsonl_logger_wrote_it(tmp_path):
     (_, text), = texts(acc, "binding_report")
     assert [line[4:] for line in text.split("\n")] == report.split("\n")  # a Markdown code block
     assert texts(acc, "status") == [(12, "done")] and session_status(acc) == "STATUS_SUCCESS"
-    assert n.loggers[1].finished and jn.backend(n.loggers[1]) is not None  # the (closed) SummaryWriter
+    logger = n.loggers[1]
+    assert logger.finished and jn.backend(logger) is None  # no SummaryWriter was asked for
+    assert logger.path.parent == Path(n.run_dir) and logger.path.name.endswith(".jaxnitro")
+
+
+def test_the_backend_is_a_summarywriter_on_the_run_folder_closed_at_finish(tmp_path):
+    logger = tensorboard_logger.TensorBoardLogger(tmp_path)
+    assert logger.backend is None  # before the first verb
+    logger.log_params({"run_dir": str(tmp_path)})
+    writer = logger.backend
+    assert writer is logger.backend and Path(writer.logdir) == tmp_path
+    writer.add_scalar("extra/weight_norm", 3.5, 2)
+    logger.finish("done")
+    assert logger.backend is writer and writer.file_writer is None  # closed by finish
+    assert scalars(read_events(tmp_path), "extra/weight_norm") == [(2, 3.5)]
 
 
 @pytest.mark.parametrize(
@@ -169,3 +183,58 @@ def test_the_hook_answers_its_names_only_and_names_the_missing_extra(tmp_path, m
     with pytest.raises(ImportError, match=r"jaxnitro\[tensorboard\]"):
         copy.jaxnitro_make_logger(name="tensorboard", run_dir=tmp_path, experiment=None)
 
+
+
+# -- a kill, a resume, the viewer ------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a fresh training process (~10 s on 2 cores)
+@pytest.mark.parametrize("when", ["validate@1", "finish"])
+def test_a_validation_and_the_finish_are_on_disk_when_logged(tmp_path, when):
+    kill_after(tmp_path, "tensorboard", when)  # SIGKILLed right after the loggers got the line
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    acc = read_events(folder)
+    if when == "validate@1":
+        assert [s for s, _ in scalars(acc, "validate/loss")] == [6]
+        assert [s for s, _ in scalars(acc, "train/loss")] == list(range(1, 7))
+    else:
+        assert [s for s, _ in scalars(acc, "validate/loss")] == [6, 12]
+        assert texts(acc, "status") == [(12, "done")] and session_status(acc) == "STATUS_SUCCESS"
+
+
+@pytest.mark.slow  # a fresh training process, a resume and the tensorboard server (~30 s)
+def test_a_killed_and_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    kill_after(tmp_path, "tensorboard", "validate@2", max_epochs=3)  # logged to step 12, checkpoint 6
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    killed = read_events(folder)
+    assert [s for s, _ in scalars(killed, "validate/loss")] == [6, 12]
+
+    resumed = jn.Nitro(Tiny(max_epochs=3), data=DATA, run_dir=tmp_path, resume="auto", logger="tensorboard",
+                       checkpointer=jn.Checkpointer(keep=jn.Last(2), asynchronous=False))
+    assert resumed.plan.resumed.step == 6
+    resumed.train()
+    assert resumed.run_dir == str(folder) and len(list(folder.glob("events.out.tfevents.*"))) == 2
+    acc = read_events(folder)
+    train = scalars(acc, "train/loss")
+    assert [s for s, _ in train] == list(range(1, 19))  # 7..12 logged again, once
+    assert train[:12] == scalars(killed, "train/loss")  # the resumed run logged what the killed one did
+    assert [s for s, _ in scalars(acc, "validate/loss")] == [6, 12, 18]
+    assert texts(acc, "status") == [(18, "done")]
+
+    # the docs' command, as a user runs it: the run is listed, its steps shown once
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [str(Path(sys.executable).parent / "tensorboard"), "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]
+    with server(command, f"{base}/data/runs"):
+        import time
+
+        def shown():
+            runs = fetch(f"{base}/data/runs")
+            if runs != [folder.name]:
+                return runs, []
+            return runs, [step for _, step, _ in fetch(f"{base}/data/plugin/scalars/scalars?run={folder.name}&tag=train/loss")]
+
+        deadline = time.monotonic() + 60
+        while shown()[1] != list(range(1, 19)) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the server's first load of the folder
+        assert shown() == ([folder.name], list(range(1, 19)))
