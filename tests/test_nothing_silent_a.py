@@ -1,0 +1,136 @@
+"""Issue 23, items 14-18, 22, 24-26: cases that passed silently, crashed raw, or were missing."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxnitro as jn
+from jaxnitro import Device, GraphConst
+from tiny import N_CLASSES, Tiny, TinyCore, fresh_tiny, tiny_data
+
+QUIET = dict(logger=None)
+
+
+def msg(excinfo) -> str:
+    return " ".join(str(excinfo.value).split())
+
+
+# -- 14: the coordinator address ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address, problem, fix",
+    [
+        ("127.0.0.1", "has no port", '"127.0.0.1:1234"'),
+        ("127.0.0.1:", "has the port ''", '"10.0.0.1:1234"'),
+        ("node0:99999", "has the port '99999', not a number in 1..65535", '"10.0.0.1:1234"'),
+        (":1234", "has no host", '"10.0.0.1:1234"'),
+    ],
+)
+def test_initialize_refuses_an_address_without_host_or_port(address, problem, fix):
+    # JAX itself fails on "127.0.0.1" with a bare IndexError; nothing reaches JAX here
+    with pytest.raises(ValueError) as err:
+        jn.distributed.initialize(address, num_processes=2, process_id=0)
+    text = msg(err)
+    assert f"coordinator_address={address!r}): the address {problem}" in text
+    assert '"host:port"' in text and f"jn.distributed.initialize({fix}" in text
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1234", "node-0.cluster:8476", "[::1]:1234"])
+def test_a_host_port_address_is_accepted(address):
+    assert jn.distributed.check_coordinator_address(address) == address
+
+
+# -- 15: non-finite Device values; a clip norm that zeroes every update ------------------------------
+
+
+@pytest.fixture(scope="module")
+def handle(tmp_path_factory):
+    return jn.Nitro(Tiny(max_epochs=0), run_dir=tmp_path_factory.mktemp("runs"), **QUIET)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -np.inf])
+def test_set_device_refuses_a_non_finite_value(handle, value):
+    before = handle.device_value("temperature")
+    with pytest.raises(ValueError) as err:
+        handle.set_device(temperature=value)
+    assert "set_device cannot write `temperature`: the value is not finite" in msg(err)
+    assert "Pass a finite number" in msg(err)
+    assert handle.device_value("temperature") == before
+
+
+def test_a_non_finite_device_field_is_refused_at_construction():
+    with pytest.raises(ValueError) as err:
+        Tiny(smoothing=float("nan"))
+    assert "Device field `smoothing` of Tiny is not finite: it is NaN" in msg(err)
+
+
+@jn.experiment
+class Masked(TinyCore):
+    mask: Device[np.ndarray] = jn.field(factory=lambda: np.array([0.0, -np.inf, 0.0, 0.0], np.float32))
+    "An additive logit mask: -inf entries are a real use."
+
+
+def test_a_device_array_may_hold_inf_but_not_nan():
+    assert np.isneginf(Masked().mask[1])
+    with pytest.raises(ValueError) as err:
+        Masked(mask=np.array([0.0, np.nan, 0.0, 0.0], np.float32))
+    assert "Device field `mask` of Masked is not finite: it holds NaN (1 of 4 entries)" in msg(err)
+
+
+@pytest.mark.parametrize("clip", [1e-30, 1e-9])
+def test_a_clip_norm_so_small_it_zeroes_updates_is_refused(tmp_path, clip):
+    with pytest.raises(ValueError) as err:
+        jn.Nitro(Tiny(), run_dir=tmp_path, gradient_clip_norm=clip, **QUIET)
+    text = msg(err)
+    assert f"run knob `gradient_clip_norm` = {clip!r} (keyword)" in text
+    assert "below 1e-08" in text and "0 (or None) for no clipping" in text
+
+
+def test_a_small_but_usable_clip_norm_is_accepted(tmp_path):
+    assert jn.Nitro(Tiny(), run_dir=tmp_path, gradient_clip_norm=1e-8, **QUIET).settings.gradient_clip_norm == 1e-8
+
+
+# -- 22: GraphConst arrays, keyed by content ----------------------------------------------------------
+
+
+@jn.experiment
+class Tabled(Tiny):
+    table: GraphConst[np.ndarray] = jn.field(factory=lambda: np.arange(N_CLASSES, dtype=np.float32))
+    "A constant per-class offset, baked into the graph."
+
+    def forward(self, model, state, *, x):
+        return jax.vmap(model)(x) + jnp.asarray(self.table), state
+
+
+def test_a_graph_const_array_is_accepted_and_keyed_by_content(tmp_path):
+    run = dict(run_dir=tmp_path, max_epochs=1, **QUIET)
+    first = jn.train(Tabled(), **run)
+    before = jn.cache_stats()
+    same = jn.train(Tabled(table=np.arange(N_CLASSES, dtype=np.float32)), **run)  # a new, equal array
+    assert jn.cache_stats().misses == before.misses
+    np.testing.assert_array_equal(jax.tree_util.tree_leaves(same.params)[0], jax.tree_util.tree_leaves(first.params)[0])
+    other = jn.Nitro(Tabled(table=np.zeros(N_CLASSES, np.float32)), **run)
+    batch = {"x": tiny_data()["val"][0]["x"]}
+    out_first, out_other = first.predict(batch), other.predict(batch)
+    assert jn.cache_stats().misses > before.misses  # other content: another program
+    assert not np.allclose(out_first, out_other)
+    # the experiment is a pytree whose treedef hashes and compares by the array's content
+    assert jax.tree_util.tree_structure(Tabled()) == jax.tree_util.tree_structure(Tabled())
+    assert hash(jax.tree_util.tree_structure(Tabled())) == hash(jax.tree_util.tree_structure(Tabled()))
+    assert jax.tree_util.tree_structure(Tabled()) != jax.tree_util.tree_structure(Tabled(table=np.zeros(4, np.float32)))
+
+
+def test_a_graph_const_of_objects_is_still_refused():
+    with pytest.raises(TypeError) as err:
+        Tabled(table=np.array([object()]))
+    assert "GraphConst field `table` of Tabled is an array of dtype object" in msg(err)
+    with pytest.raises(TypeError) as err:
+        Tabled(table=[1, 2])
+    assert "use a tuple instead of a list" in msg(err)
