@@ -134,3 +134,49 @@ def test_a_graph_const_of_objects_is_still_refused():
     with pytest.raises(TypeError) as err:
         Tabled(table=[1, 2])
     assert "use a tuple instead of a list" in msg(err)
+
+
+# -- 24: device-resident metrics with a monitor --------------------------------------------------
+
+
+def test_device_metrics_with_a_monitor_pass_setup_and_train(tmp_path):
+    """docs/metrics.md's ScoredOnDevice plus a `monitor`: setup's check of the first val batch
+    used to fill the counts with zeros ("a total count of 0") and choked on a string mode."""
+
+    @jn.experiment
+    class OnDevice(Tiny):
+        def metrics(self, logits, *, y):
+            hit = logits.argmax(-1) == y
+            return {
+                "acc": (jnp.sum(hit), y.shape[0]),
+                "hits": (jnp.sum(hit), "sum"),
+                "worst": (jnp.min(logits), "min"),
+            }
+
+        def metrics_residency(self, hook):
+            return "device"
+
+        def monitor(self):
+            return ("acc", "max")
+
+    n = jn.train(OnDevice(), max_epochs=1, run_dir=tmp_path, **QUIET)
+    res = n.validate()
+    assert set(res) == {"acc", "hits", "worst"}
+    assert res["acc"] == pytest.approx(res["hits"] / 40)  # 40 real val rows
+
+
+def test_host_metrics_with_an_output_derived_count_pass_setup(tmp_path):
+    """A host `metrics` whose count comes from the outputs sees zeros at setup's check: the
+    check no longer refuses the count it made up."""
+
+    @jn.experiment
+    class Confident(Tiny):
+        def metrics(self, logits, *, y):
+            sure = np.max(logits, -1) > 0
+            return {"sure_acc": (np.sum((logits.argmax(-1) == y) & sure), np.sum(sure))}
+
+        def monitor(self):
+            return ("sure_acc", "max")
+
+    n = jn.Nitro(Confident(), run_dir=tmp_path, **QUIET)
+    assert n.settings.monitor == ("sure_acc", "max")
