@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from .cache import stable_key
+from .plugin_manager import takes_positionals
 
 __all__ = [
     "GroupSpec", "OptimizerSpec", "HyperLayout", "AnchorState", "EmaState", "keypath_of",
@@ -294,10 +295,11 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
     group_of = hooks["param_group"].function
     if isinstance(params, dict) and hooks["param_group"].source == "default":
         group_of = lambda _e, keypath: str(keypath[0])  # noqa: E731  (a dict of models: one group each)
+    with_leaf = takes_positionals(group_of, "param_group") == 2  # param_group(self, keypath, leaf)
     names = []
     counts: dict[str, int] = {}
     for path, leaf in leaves_with_paths:
-        g = group_of(e, keypath_of(path))
+        g = group_of(e, keypath_of(path), leaf) if with_leaf else group_of(e, keypath_of(path))
         if not isinstance(g, str):
             raise TypeError(
                 f"jaxnitro: `param_group` returned {g!r} for {keypath_of(path)}; it must return a "

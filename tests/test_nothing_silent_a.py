@@ -180,3 +180,48 @@ def test_host_metrics_with_an_output_derived_count_pass_setup(tmp_path):
 
     n = jn.Nitro(Confident(), run_dir=tmp_path, **QUIET)
     assert n.settings.monitor == ("sure_acc", "max")
+
+
+# -- 25: param_group may take the leaf ---------------------------------------------------------------
+
+
+def test_param_group_may_take_the_leaf_to_decay_only_matrices(tmp_path):
+    seen = []
+
+    @jn.experiment
+    class MatricesDecay(Tiny):
+        def param_group(self, keypath, leaf):
+            seen.append((keypath, leaf.shape))
+            return "decay" if leaf.ndim >= 2 else "no_decay"
+
+        def weight_decay(self, group):
+            return 0.1 if group == "decay" else 0.0
+
+    n = jn.Nitro(MatricesDecay(), run_dir=tmp_path, **QUIET)
+    groups = {g.name: g for g in n.plan.opt_spec.groups}
+    assert set(groups) == {"decay", "no_decay"}
+    assert groups["decay"].n_params == 8 * 16 + 16 * 4 and groups["no_decay"].n_params == 16 + 4
+    assert groups["decay"].weight_decay == 0.1 and groups["no_decay"].weight_decay == 0.0
+    assert sorted(seen) == [(("l1", "bias"), (16,)), (("l1", "weight"), (16, 8)),
+                            (("l2", "bias"), (4,)), (("l2", "weight"), (4, 16))]
+
+
+def test_param_group_with_the_keypath_only_still_works(tmp_path):
+    @jn.experiment
+    class ByPath(Tiny):
+        def param_group(self, path):
+            return "first" if path[0] == "l1" else "second"
+
+    n = jn.Nitro(ByPath(), run_dir=tmp_path, **QUIET)
+    assert {g.name: g.n_params for g in n.plan.opt_spec.groups} == {"first": 8 * 16 + 16, "second": 16 * 4 + 4}
+
+
+def test_param_group_with_too_many_parameters_names_the_contract(tmp_path):
+    @jn.experiment
+    class TooMany(Tiny):
+        def param_group(self, keypath, leaf, extra):
+            return "default"
+
+    with pytest.raises(TypeError) as err:
+        jn.Nitro(TooMany(), run_dir=tmp_path, **QUIET)
+    assert "the contract is `param_group(self, keypath[, leaf])`" in msg(err)
