@@ -225,3 +225,56 @@ def test_param_group_with_too_many_parameters_names_the_contract(tmp_path):
     with pytest.raises(TypeError) as err:
         jn.Nitro(TooMany(), run_dir=tmp_path, **QUIET)
     assert "the contract is `param_group(self, keypath[, leaf])`" in msg(err)
+
+
+# -- 26: the per-step PRNG key, reproduced outside jaxnitro from the documented rule ----------------
+
+
+def _documented_keys(seed: int):
+    """docs/hooks-and-routing.md, "How the keys derive from seed", written out with jax.random only."""
+    model_key, base = jax.random.split(jax.random.PRNGKey(seed))
+    train_key = lambda n: jax.random.fold_in(base, np.uint32(n))  # noqa: E731 - micro-batch n of the run
+    eval_key = jax.random.fold_in(base, np.uint32(0))
+    return model_key, train_key, eval_key
+
+
+def test_the_keys_follow_the_documented_rule(tmp_path):
+    from jaxnitro.loggers.jsonl import read_jsonl
+
+    built = []
+
+    @jn.experiment
+    class Keyed(Tiny):
+        def build_model(self, key):
+            built.append(np.asarray(jax.random.key_data(key)))
+            return super().build_model(key)
+
+        def forward(self, model, state, *, x, key):
+            draw = jnp.full((x.shape[0],), jax.random.uniform(key))
+            return (jax.vmap(model)(x), draw), state
+
+        def loss(self, outputs, *, label):
+            return super().loss(outputs[0], label=label)
+
+        def train_metrics(self, outputs, *, key):
+            return {"forward_draw": outputs[1][0], "own_draw": jax.random.uniform(key)}
+
+    seed = 7
+    n = jn.train(Keyed(), seed=seed, run_dir=tmp_path, max_epochs=1)  # 6 batches: 6 steps at accum=1
+    model_key, train_key, eval_key = _documented_keys(seed)
+    np.testing.assert_array_equal(built[0], np.asarray(model_key))
+    lines = [ln for ln in read_jsonl(f"{n.run_dir}/metrics.jsonl") if ln.get("context") == "train"]
+    assert [ln["step"] for ln in lines] == [1, 2, 3, 4, 5, 6]
+    for ln in lines:  # step s (from 1) is micro-batch s - 1; forward and train_metrics share the key
+        want = float(jax.random.uniform(train_key(ln["step"] - 1)))
+        assert ln["forward_draw"] == want and ln["own_draw"] == want
+    _, draw = n.predict({"x": tiny_data()["val"][0]["x"]})
+    assert np.all(draw == np.float32(jax.random.uniform(eval_key)))
+
+    # accum=2: step s (from 0) runs micro-batches 2s and 2s + 1; the logged value is their mean
+    a = jn.train(Keyed(), seed=seed, accum=2, run_dir=tmp_path, max_epochs=1)
+    lines = [ln for ln in read_jsonl(f"{a.run_dir}/metrics.jsonl") if ln.get("context") == "train"]
+    for ln in lines:
+        s = ln["step"] - 1
+        mean = (float(jax.random.uniform(train_key(2 * s))) + float(jax.random.uniform(train_key(2 * s + 1)))) / 2
+        assert ln["own_draw"] == pytest.approx(mean, rel=1e-6)
