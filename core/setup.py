@@ -33,7 +33,7 @@ from .programs import ProgramSet, split_model
 from .progress import SetupSteps
 from .evaluation import check_eval_splits
 from .routing import check_reserved_fields, route_of
-from .schedules import bind_schedules
+from .schedules import bind_schedules, scheduled_rule_hypers
 from .state import Plan, TrainState
 from .weights import (
     check_ema_knob,
@@ -291,6 +291,10 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
         ema_decay = check_ema_knob(settings.ema, settings.source("ema"))
         plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
         _knobs.check_optimizer_groups(plan.opt_spec.groups, type(e).__name__)
+        # schedules bind first: a scheduled rule hyperparameter (Adam's b1) is injected
+        schedulable = {g.name: g.schedulable for g in plan.opt_spec.groups}
+        plan.bindings = bind_schedules(settings.schedules, _device_fields(e), schedulable)
+        plan.opt_spec = plan.opt_spec.with_scheduled(scheduled_rule_hypers(plan.bindings, schedulable))
         plan.base_lr = _knobs.check_learning_rate(
             hooks["learning_rate"].function(e),
             f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
@@ -302,10 +306,13 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
             plan.tx = plan.opt_spec.transformation()
             opt_state = init_opt_state(plan.opt_spec, plan.tx, state.params, anchor)
         state = state.replace(opt_state=opt_state)
-    group_names = tuple(g.name for g in plan.opt_spec.groups) if plan.opt_spec else ()
-    device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
-    plan.bindings = bind_schedules(settings.schedules, device_fields, group_names)
+    else:
+        plan.bindings = bind_schedules(settings.schedules, _device_fields(e), ())
     return state
+
+
+def _device_fields(e) -> dict:
+    return {n: i for n, i in fields_of(e).items() if i.is_device}
 
 
 def _monitor(e, hooks: dict):

@@ -278,3 +278,102 @@ def test_the_keys_follow_the_documented_rule(tmp_path):
         s = ln["step"] - 1
         mean = (float(jax.random.uniform(train_key(2 * s))) + float(jax.random.uniform(train_key(2 * s + 1)))) / 2
         assert ln["own_draw"] == pytest.approx(mean, rel=1e-6)
+
+
+# -- 16: schedules bind by the rule's own hyperparameter names ---------------------------------------
+
+
+def _train_lines(n):
+    from jaxnitro.loggers.jsonl import read_jsonl
+
+    return [ln for ln in read_jsonl(f"{n.run_dir}/metrics.jsonl") if ln.get("context") == "train"]
+
+
+def test_adam_b1_is_schedulable_and_reaches_the_optimizer(tmp_path):
+    import optax
+
+    Adam = fresh_tiny("Adam", optimizer=lambda self, group: optax.adam)
+    n = jn.train(Adam(max_epochs=1), run_dir=tmp_path, schedules={"b1": lambda total: optax.linear_schedule(0.5, 0.9, total)})
+    lines = _train_lines(n)
+    assert [round(ln["schedule/default/b1"], 6) for ln in lines] == [round(0.5 + 0.4 * s / 6, 6) for s in range(6)]
+    assert float(n.opt_state.hyperparams["b1"]) == pytest.approx(0.5 + 0.4 * 5 / 6)
+    # a constant b1 schedule of Adam's default trains exactly like the unscheduled rule
+    plain = jn.train(Adam(max_epochs=1), run_dir=tmp_path, **QUIET)
+    const = jn.train(Adam(max_epochs=1), run_dir=tmp_path, schedules={"b1": lambda total: lambda step: 0.9}, **QUIET)
+    for a, b in zip(jax.tree_util.tree_leaves(plain.params), jax.tree_util.tree_leaves(const.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # a new b1 schedule compiles nothing
+    before = jn.cache_stats().misses
+    jn.train(Adam(max_epochs=1), run_dir=tmp_path, schedules={"b1": lambda total: lambda step: 0.8}, **QUIET)
+    assert jn.cache_stats().misses == before
+
+
+def test_sgd_momentum_is_schedulable(tmp_path):
+    import optax
+
+    SGD = fresh_tiny("SGDm", optimizer=lambda self, group: optax.sgd)
+    Heavy = fresh_tiny("Heavy", optimizer=lambda self, group: lambda lr: optax.sgd(lr, momentum=0.9))
+    plain = jn.train(SGD(max_epochs=1), run_dir=tmp_path, **QUIET)
+    heavy = jn.train(Heavy(max_epochs=1), run_dir=tmp_path, **QUIET)
+    scheduled = jn.train(SGD(max_epochs=1), run_dir=tmp_path, schedules={"opt": {"momentum": lambda total: lambda step: 0.9}}, **QUIET)
+    leaf = lambda n: jax.tree_util.tree_leaves(n.params)[0]  # noqa: E731
+    np.testing.assert_allclose(leaf(scheduled), leaf(heavy), rtol=1e-6, atol=1e-7)
+    assert not np.allclose(leaf(scheduled), leaf(plain))
+
+
+def test_unknown_schedule_keys_list_the_rules_hyperparameters(tmp_path):
+    import optax
+
+    SGD = fresh_tiny("SGDk", optimizer=lambda self, group: optax.sgd)
+    with pytest.raises(KeyError) as err:
+        jn.Nitro(SGD(), run_dir=tmp_path, schedules={"b1": lambda total: lambda step: 0.9}, **QUIET)
+    assert "unknown schedule key `b1`" in msg(err)
+    assert "by the rule's own name (learning_rate, weight_decay, momentum)" in msg(err)
+
+
+def test_a_bare_rule_key_needs_the_hyperparameter_in_every_group(tmp_path):
+    import optax
+
+    Mixed = fresh_tiny(
+        "Mixed",
+        param_group=lambda self, keypath: "encoder" if keypath[0] == "l1" else "head",
+        optimizer=lambda self, group: optax.adam if group == "encoder" else optax.sgd,
+    )
+    with pytest.raises(KeyError) as err:
+        jn.Nitro(Mixed(), run_dir=tmp_path, schedules={"b1": lambda total: lambda step: 0.9}, **QUIET)
+    assert "the rule of group(s) `head` has no hyperparameter `b1`" in msg(err)
+    assert "{'opt': {'encoder': {'b1': ...}}}" in msg(err)
+    with pytest.raises(KeyError) as err:
+        jn.Nitro(Mixed(), run_dir=tmp_path, schedules={"opt": {"head": {"b1": lambda total: lambda step: 0.9}}}, **QUIET)
+    assert "unknown optimizer hyperparameter `b1` for group `head`; schedulable for its rule: learning_rate, weight_decay, momentum" in msg(err)
+    n = jn.train(Mixed(max_epochs=1), run_dir=tmp_path, schedules={"opt": {"encoder": {"b1": lambda total: optax.linear_schedule(0.5, 0.9, total)}}})
+    keys = {k for ln in _train_lines(n) for k in ln if k.startswith("schedule/")}
+    assert keys == {"schedule/encoder/b1"}
+
+
+# -- 17: a group's decoupled decay is autologged next to its rate -------------------------------------
+
+
+def test_a_groups_decoupled_decay_is_logged_when_it_varies(tmp_path):
+    import optax
+
+    Decayed = fresh_tiny(
+        "Decayed",
+        param_group=lambda self, keypath: "encoder" if keypath[0] == "l1" else "default",
+        weight_decay=lambda self, group: 1e-2 if group == "encoder" else 0.0,
+    )
+    n = jn.train(Decayed(max_epochs=1), run_dir=tmp_path, schedules={"learning_rate": lambda total: optax.linear_schedule(1e-2, 1e-3, total)})
+    lines = _train_lines(n)
+    assert list(k for k in lines[0] if k.startswith("schedule/")) == [
+        "schedule/default/learning_rate", "schedule/encoder/learning_rate", "schedule/encoder/weight_decay",
+    ]  # the default group has no decay: nothing to log
+    for ln in lines:  # the decay as applied: rate x decay
+        assert ln["schedule/encoder/weight_decay"] == float(np.float32(ln["schedule/encoder/learning_rate"]) * np.float32(1e-2))
+    # a constant rate: the decay does not vary, nothing is logged
+    still = jn.train(Decayed(max_epochs=1), run_dir=tmp_path)
+    assert not any(k.startswith("schedule/") for ln in _train_lines(still) for k in ln)
+    # a scheduled decay under a constant rate varies too
+    wd = jn.train(Decayed(max_epochs=1), run_dir=tmp_path, schedules={"opt": {"encoder": {"weight_decay": lambda total: optax.linear_schedule(1e-2, 0.0, total)}}})
+    lines = _train_lines(wd)
+    assert [k for k in lines[0] if k.startswith("schedule/")] == ["schedule/encoder/weight_decay"]
+    assert lines[0]["schedule/encoder/weight_decay"] == float(np.float32(1e-2) * np.float32(1e-2))
