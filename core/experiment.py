@@ -570,9 +570,11 @@ def _experiment_repr_html(self) -> str:
     return describe(self, "html")
 
 
-def check_traced_code(e, hooks: dict, metrics_on_device: bool) -> None:
+def check_traced_code(e, hooks: dict, metrics_on_device: bool, train_metrics_on_host: bool = False) -> None:
     """At setup: refuse identity tests on Host fields in the traced hooks (and the methods they
-    call), see :func:`jaxnitro.markers.check_traced_host_use`."""
+    call), see :func:`jaxnitro.markers.check_traced_host_use`. A host-resident ``train_metrics``
+    counts too: it runs inside the training program's host callback, shared by every handle,
+    so it sees the compile view (Host fields stripped) as the traced hooks do."""
     traced = ("forward", "loss", "train_metrics", "train_step") + (("metrics",) if metrics_on_device else ())
     functions = {h: hooks[h].function for h in traced if h in hooks and hooks[h].source != "default"}
     host = [n for n, i in fields_of(e).items() if i.is_host]

@@ -89,7 +89,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         if info.is_device
     }
     plan.metrics_on_device = _metrics_on_device(e, plan)
-    check_traced_code(e, plan.hooks, plan.metrics_on_device)
+    check_traced_code(e, plan.hooks, plan.metrics_on_device, _train_metrics_on_host(e, plan))
     plan.programs = _program_set(e, plan, state)
     steps.to("building optimizer")
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
@@ -243,10 +243,20 @@ def _metrics_on_device(e, plan: Plan) -> bool:
             raise ValueError(
                 f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
             )
-    if "train_metrics" in hooks and residency(e, "train_metrics") != "device":
+    dist = getattr(plan, "dist", None)
+    if _train_metrics_on_host(e, plan) and dist is not None and dist.multi_process:
         raise ValueError(
-            "jaxnitro: `train_metrics` runs traced in the gradient program; "
-            "metrics_residency('train_metrics') must be 'device'."
+            f"jaxnitro: metrics_residency('train_metrics') is 'host', but this is a multi-process job "
+            f"({dist.process_count} processes): a host-resident train_metrics would run on one "
+            f"process over rows that live on all of them. Return 'device' for train_metrics (it "
+            f"is traced and reduced across processes with the step), or compute it per process "
+            f"from `metrics` on the `val` split."
+        )
+    if "train_metrics" in routes and routes["train_metrics"].wants_key and _train_metrics_on_host(e, plan):
+        raise TypeError(
+            "jaxnitro: `train_metrics` declares the keyword `key`, but it runs on the host (its "
+            "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
+            "`key` from `train_metrics`, or make it device-resident (metrics_residency -> 'device')."
         )
     on_device = "metrics" in hooks and residency(e, "metrics") == "device"
     if "metrics" in routes and routes["metrics"].wants_key and not on_device:
@@ -256,6 +266,12 @@ def _metrics_on_device(e, plan: Plan) -> bool:
             "`key` from `metrics`, or make it device-resident (metrics_residency -> 'device')."
         )
     return on_device
+
+
+def _train_metrics_on_host(e, plan: Plan) -> bool:
+    """Whether ``train_metrics`` runs on the host (``metrics_residency`` = ``"host"``): the
+    training step then hands each micro-batch's outputs to it through a host callback."""
+    return "train_metrics" in plan.hooks and plan.hooks["metrics_residency"].function(e, "train_metrics") == "host"
 
 
 def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
@@ -269,6 +285,7 @@ def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
         skeleton=plan.skeleton,
         param_def=jax.tree_util.tree_structure(state.params),
         state_def=jax.tree_util.tree_structure(state.model_state),
+        train_metrics_on_host=_train_metrics_on_host(e, plan),
     )
 
 

@@ -377,3 +377,51 @@ def test_a_groups_decoupled_decay_is_logged_when_it_varies(tmp_path):
     lines = _train_lines(wd)
     assert [k for k in lines[0] if k.startswith("schedule/")] == ["schedule/encoder/weight_decay"]
     assert lines[0]["schedule/encoder/weight_decay"] == float(np.float32(1e-2) * np.float32(1e-2))
+
+
+# -- 18: host-resident train_metrics --------------------------------------------------------------------
+
+
+def _top_hit(logits, y, xp):
+    return {"acc": xp.mean(xp.argmax(logits, -1) == y), "margin": xp.mean(xp.max(logits, -1) - xp.min(logits, -1))}
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, pytest.param({"accum": 2}, marks=pytest.mark.slow), pytest.param({"steps_per_dispatch": 3}, marks=pytest.mark.slow)],
+)
+def test_host_train_metrics_log_what_device_train_metrics_log(tmp_path, knobs):
+    seen = []
+
+    def on_host(self, logits, *, y):
+        seen.append((type(logits), type(y)))
+        order = np.argsort(logits, axis=-1, kind="stable")  # ordinary NumPy
+        assert order.shape == logits.shape
+        return _top_hit(logits, y, np)
+
+    OnHost = fresh_tiny("OnHost", train_metrics=on_host, metrics_residency=lambda self, hook: "host")
+    OnDevice = fresh_tiny("OnDevice", train_metrics=lambda self, logits, *, y: _top_hit(logits, y, jnp))
+    host = jn.train(OnHost(max_epochs=1), run_dir=tmp_path, **knobs)
+    dev = jn.train(OnDevice(max_epochs=1), run_dir=tmp_path, **knobs)
+    assert set(seen) == {(np.ndarray, np.ndarray)}
+    h, d = _train_lines(host), _train_lines(dev)
+    assert len(h) == len(d) == 6 // knobs.get("accum", 1)
+    for a, b in zip(h, d):
+        assert a["step"] == b["step"] and a["loss"] == b["loss"]
+        assert a["acc"] == pytest.approx(b["acc"], abs=1e-7) and a["margin"] == pytest.approx(b["margin"], rel=1e-6)
+
+
+def test_host_train_metrics_refusals(tmp_path):
+    host = dict(metrics_residency=lambda self, hook: "host")
+    NotScalar = fresh_tiny("NotScalar", train_metrics=lambda self, logits, *, y: {"per_row": logits.max(-1)}, **host)
+    with pytest.raises(TypeError) as err:
+        jn.train(NotScalar(max_epochs=1), run_dir=tmp_path, **QUIET)
+    assert "train metric `per_row` of NotScalar is an array of shape (16,)" in msg(err)
+
+    def keyed(self, logits, *, key):
+        return {"k": 0.0}
+
+    WithKey = fresh_tiny("WithKey", train_metrics=keyed, **host)
+    with pytest.raises(TypeError) as err:
+        jn.Nitro(WithKey(), run_dir=tmp_path, **QUIET)
+    assert "`train_metrics` declares the keyword `key`, but it runs on the host" in msg(err)
