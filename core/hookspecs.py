@@ -110,7 +110,11 @@ def metrics(self, outputs, batch):
 
 @hookspec(firstresult=True)
 def train_metrics(self, outputs, batch):
-    """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program."""
+    """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program.
+
+    With ``metrics_residency("train_metrics") == "host"`` it runs on the host instead, on
+    NumPy arrays, once per micro-batch, through a host callback inside the same program
+    (every micro-batch's outputs then cross to the host; see docs/metrics.md)."""
 
 @hookspec(firstresult=True)
 def train_step(self, models, optimizers, batch):
