@@ -425,3 +425,12 @@ def test_host_train_metrics_refusals(tmp_path):
     with pytest.raises(TypeError) as err:
         jn.Nitro(WithKey(), run_dir=tmp_path, **QUIET)
     assert "`train_metrics` declares the keyword `key`, but it runs on the host" in msg(err)
+
+
+def test_a_graph_const_array_is_recorded_and_checked_by_a_checkpoint(tmp_path):
+    n = jn.train(Tabled(), run_dir=tmp_path, max_epochs=1, checkpointer=jn.Checkpointer(keep=(jn.Last(1),)), **QUIET)
+    again = jn.Nitro(Tabled(), weights=(n.run_dir, "last"), run_dir=tmp_path, **QUIET)
+    assert again.plan.weights_from.startswith("checkpoint step 6")
+    with pytest.raises(ValueError) as err:
+        jn.Nitro(Tabled(table=np.zeros(N_CLASSES, np.float32)), weights=(n.run_dir, "last"), run_dir=tmp_path, **QUIET)
+    assert "was saved with other GraphConst values" in msg(err) and "table: this experiment array([0., 0., 0., 0.]" in msg(err)
