@@ -11,7 +11,7 @@ import difflib
 import jax
 import numpy as np
 
-from .experiment import ConversionRefused, convert_exactly, fields_of
+from .experiment import ConversionRefused, convert_exactly, fields_of, non_finite
 
 __all__ = ["set_device_values", "get_device_value"]
 
@@ -54,6 +54,14 @@ def set_device_values(nitro, values: dict) -> None:
                 f"the field's dtype {current.dtype} ({err}). Pass a value of that dtype; for a "
                 f"different dtype build a new `Nitro`."
             ) from None
+        why = non_finite(new)
+        if why is not None:
+            raise ValueError(
+                f"jaxnitro: set_device cannot write `{name}`: the value is not finite ({why}). A "
+                f"Device value is an input of every program, where a NaN (or an infinite scalar) "
+                f"silently turns the outputs, the loss and then the weights into NaN. Pass a finite "
+                f"number (an array may hold +-inf, e.g. a mask, but never NaN)."
+            )
         if new.shape != current.shape:
             raise ValueError(
                 f"jaxnitro: set_device cannot write `{name}`: the new value has shape {new.shape}, "

@@ -137,9 +137,13 @@ def initialize(
       (``jax_cpu_collectives_implementation``; ``"gloo"``). Ignored on accelerators.
     * other keywords go to ``jax.distributed.initialize`` as they are.
 
-    Raises ``RuntimeError`` (JAX's, with jaxnitro's note) when JAX's backend already
-    started: initialize must come before any JAX use.
+    Raises ``ValueError`` for a ``coordinator_address`` that is not ``"host:port"`` (checked
+    before JAX sees it: JAX fails on a missing port with a bare ``IndexError``), and
+    ``RuntimeError`` (JAX's, with jaxnitro's note) when JAX's backend already started:
+    initialize must come before any JAX use.
     """
+    if coordinator_address is not None:
+        check_coordinator_address(coordinator_address)
     if local_device_count is not None:
         _set_host_device_count(_check_count("initialize(local_device_count=...)", local_device_count))
     if cpu_collectives is not None:
@@ -158,6 +162,35 @@ def initialize(
             f"every process (before jn.setup_devices, jax.devices() or any array), and every process "
             f"needs the same coordinator_address and num_processes."
         ) from err
+
+
+def check_coordinator_address(address) -> str:
+    """``address`` if it is ``"host:port"`` (``"10.0.0.1:1234"``, ``"node0:1234"``,
+    ``"[::1]:1234"``) with a port in 1..65535; else ``ValueError`` naming the address and the fix."""
+    example = "jn.distributed.initialize(\"10.0.0.1:1234\", num_processes=2, process_id=0)"
+    if not isinstance(address, str):
+        raise TypeError(
+            f"jaxnitro: jn.distributed.initialize(coordinator_address={address!r}): the address is a "
+            f"string \"host:port\" (process 0's host and a free port), e.g. {example}."
+        )
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    problem = None
+    if not sep or not host or (":" in host and not address.startswith("[")):
+        problem = "has no port" if not sep or ":" in host else "has no host"
+    elif not port.isdigit() or not 1 <= int(port) <= 65535:
+        problem = f"has the port {port!r}, not a number in 1..65535"
+    if problem == "has no port" and ":" not in address:
+        example = f"jn.distributed.initialize(\"{address}:1234\", num_processes=2, process_id=0)"
+    if problem:
+        raise ValueError(
+            f"jaxnitro: jn.distributed.initialize(coordinator_address={address!r}): the address "
+            f"{problem}. It is \"host:port\": process 0's host name or IP and a free TCP port that "
+            f"every process can reach (an IPv6 host in brackets, \"[::1]:1234\"), the same in every "
+            f"process, e.g. {example}."
+        )
+    return address
 
 
 def is_initialized() -> bool:

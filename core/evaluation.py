@@ -17,7 +17,7 @@ import numpy as np
 
 from .batches import batch_width, field_specs, last_batch, pad_batch, peek, slice_outputs, unwrap
 from .history import FIXED_COLUMNS
-from .metrics import MetricAccumulator
+from .metrics import MetricAccumulator, check_metric_entry
 from .prefetch import is_addressable
 from .routing import KEY, KEY_COUNT, KEY_DATA, check_reserved_fields
 
@@ -371,12 +371,26 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
         if on_device:
             sliced = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()}
 
-            def device_metrics(dev, outputs, batch):
+            modes: dict = {}
+
+            def device_metrics(dev, outputs, batch):  # as the metrics program: modes kept aside
                 view = progs.view(dev)
-                return plan.hooks["metrics"].function(view, outputs, **plan.routes["metrics"].select(with_key(batch)))
+                res = plan.hooks["metrics"].function(view, outputs, **plan.routes["metrics"].select(with_key(batch)))
+                if not isinstance(res, dict):
+                    return res  # refused by the accumulator below, naming the hook
+                values = {}
+                for name, entry in res.items():
+                    modes[name] = check_metric_entry(name, entry)
+                    values[name] = entry[0]
+                return values
 
             res = jax.eval_shape(device_metrics, device_values, slice_outputs(_zeros_like(outputs), n, w), sliced)
-            acc.add(_zeros_like(res))
+            # zeros for the values; a counted metric's count is 1 (zeros would be "a total count
+            # of 0", a refusal of a count this check never computed), a mode stays its name
+            acc.add(
+                {k: (v, 1 if modes[k] == "count" else modes[k]) for k, v in _zeros_like(res).items()}
+                if isinstance(res, dict) else res
+            )
         else:
             host_out = slice_outputs(_zeros_like(outputs), n, w)
             if "metrics" in plan.hooks:
@@ -387,7 +401,7 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
                     return plan.hooks["loss"].function(progs.view(dev), out, **plan.routes["loss"].select(batch))
 
                 acc.add({"loss": (_zeros_like(jax.eval_shape(loss, device_values, host_out, state.rng)), 1)})
-        final = _finalized(plan, e, acc.result(), "val")
+        final = _finalized(plan, e, acc.result(check_counts=False), "val")
     if monitor is None:
         return
     name = monitor[0]

@@ -112,20 +112,42 @@ def _annotations(cls) -> dict[str, object]:
     return {name: resolved.get(name, ann) for name, ann in raw.items()}
 
 
+def is_array_value(value) -> bool:
+    """A NumPy or JAX array (a GraphConst may hold one: it is keyed by content, see
+    :func:`graph_key`)."""
+    return isinstance(value, (np.ndarray, jax.Array))
+
+
+def graph_key(value):
+    """The compile-key form of a GraphConst value: an array by ``(shape, dtype, hash of its
+    bytes)`` (:func:`jaxnitro.cache.stable_key`), anything else (hashable) as it is."""
+    from .cache import stable_key
+
+    return stable_key(value) if is_array_value(value) else value
+
+
 def _check_graph_const_hashable(cls_name: str, name: str, value) -> None:
+    if is_array_value(value):
+        if np.asarray(value).dtype.kind in "OV":
+            raise TypeError(
+                f"jaxnitro: GraphConst field `{name}` of {cls_name} is an array of dtype "
+                f"{np.asarray(value).dtype}; a GraphConst array is baked into the graph and keyed by "
+                f"its bytes, so it must hold numbers or bools. Give a numeric array."
+            )
+        return
     try:
         hash(value)
     except TypeError:
         hint = (
             "use a tuple instead of a list"
             if isinstance(value, list)
-            else "use a hashable value (tuple, frozenset, number, string)"
+            else "use a hashable value (tuple, frozenset, number, string) or a NumPy array"
         )
         raise TypeError(
             f"jaxnitro: GraphConst field `{name}` of {cls_name} has an unhashable value of type "
             f"{type(value).__name__}. GraphConst values are part of the compile-cache key, so they "
-            f"must be hashable: {hint}, or mark an array-valued field `Device[...]` so it is passed "
-            f"to the programs as an input."
+            f"must be hashable (arrays are keyed by their content): {hint}, or mark the field "
+            f"`Device[...]` so it is passed to the programs as an input."
         ) from None
 
 
@@ -205,11 +227,38 @@ def convert_exactly(value, dtype) -> np.ndarray:
     return arr.astype(target)
 
 
+def non_finite(arr: np.ndarray) -> str | None:
+    """Why a converted Device value is refused as not finite, or None: a NaN anywhere (a NaN is
+    never a setting: every output it touches becomes NaN), or a scalar that is ``inf``/``-inf``
+    (a temperature, a smoothing, a scale). An array may hold ``±inf`` (an attention mask's
+    ``-inf`` entries are a real use)."""
+    if arr.dtype.kind != "f" or not arr.size:
+        return None
+    if bool(np.isnan(arr).any()):
+        return "it is NaN" if arr.ndim == 0 else f"it holds NaN ({int(np.isnan(arr).sum())} of {arr.size} entries)"
+    if arr.ndim == 0 and not bool(np.isfinite(arr)):
+        return f"it is {float(arr)!r}"
+    return None
+
+
+def _refuse_non_finite(cls_name: str, name: str, arr: np.ndarray) -> np.ndarray:
+    why = non_finite(arr)
+    if why is not None:
+        raise ValueError(
+            f"jaxnitro: Device field `{name}` of {cls_name} is not finite: {why}. A Device value "
+            f"reaches every compiled program as an input, where a NaN (or an infinite scalar) "
+            f"turns the outputs, the loss and then the weights into NaN without an error. Give a "
+            f"finite number (an array may hold +-inf, e.g. a mask, but never NaN)."
+        )
+    return arr
+
+
 def to_device_value(cls_name: str, info: FieldInfo, value) -> np.ndarray:
     """Convert a Device field's value to the host array that is placed on the device.
 
     Raises ``TypeError`` naming the field when the value does not convert without
-    loss (:func:`convert_exactly`), ``ValueError`` when it is out of the dtype's range.
+    loss (:func:`convert_exactly`), ``ValueError`` when it is out of the dtype's range or
+    not finite (:func:`non_finite`: NaN anywhere, an infinite scalar).
     """
     try:
         dtype = _device_dtype(info.inner_type, value)
@@ -217,9 +266,11 @@ def to_device_value(cls_name: str, info: FieldInfo, value) -> np.ndarray:
         dtype, refused = None, ConversionRefused(str(err))
     else:
         try:
-            return convert_exactly(value, dtype)
+            converted = convert_exactly(value, dtype)
         except ConversionRefused as err:
             refused = err
+        else:
+            return _refuse_non_finite(cls_name, info.name, converted)
     raise (ValueError if refused.out_of_range else TypeError)(
         f"jaxnitro: Device field `{info.name}` of {cls_name} has a value that does not convert "
         f"to an array ({type(value).__name__}: {refused}). Device fields are passed to compiled "
@@ -436,6 +487,23 @@ def compile_view(e):
     )
 
 
+class _GraphBox:
+    """Static pytree aux data holding GraphConst values, compared and hashed by
+    :func:`graph_key` (an array by its content)."""
+
+    __slots__ = ("values", "_key")
+
+    def __init__(self, values):
+        self.values = values
+        self._key = tuple(graph_key(v) for v in values)
+
+    def __eq__(self, other):
+        return isinstance(other, _GraphBox) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
 class _HostBox:
     """Static pytree aux data holding Host values, compared by identity (never hashed by value)."""
 
@@ -460,7 +528,7 @@ def _register_pytree(cls, infos: dict[str, FieldInfo]) -> None:
 
     def flatten_with_keys(e):
         children = [(jax.tree_util.GetAttrKey(n), getattr(e, n)) for n in device]
-        aux = (tuple(getattr(e, n) for n in graph), _HostBox(tuple(getattr(e, n) for n in host)))
+        aux = (_GraphBox(tuple(getattr(e, n) for n in graph)), _HostBox(tuple(getattr(e, n) for n in host)))
         return children, aux
 
     def flatten(e):
@@ -468,9 +536,9 @@ def _register_pytree(cls, infos: dict[str, FieldInfo]) -> None:
         return [c for _, c in children], aux
 
     def unflatten(aux, children):
-        graph_values, host_box = aux
+        graph_box, host_box = aux
         values = dict(zip(device, children))
-        values.update(zip(graph, graph_values))
+        values.update(zip(graph, graph_box.values))
         values.update(zip(host, host_box.values))
         return make_view(cls, values)
 
@@ -500,9 +568,11 @@ def _experiment_repr_html(self) -> str:
     return describe(self, "html")
 
 
-def check_traced_code(e, hooks: dict, metrics_on_device: bool) -> None:
+def check_traced_code(e, hooks: dict, metrics_on_device: bool, train_metrics_on_host: bool = False) -> None:
     """At setup: refuse identity tests on Host fields in the traced hooks (and the methods they
-    call), see :func:`jaxnitro.markers.check_traced_host_use`."""
+    call), see :func:`jaxnitro.markers.check_traced_host_use`. A host-resident ``train_metrics``
+    counts too: it runs inside the training program's host callback, shared by every handle,
+    so it sees the compile view (Host fields stripped) as the traced hooks do."""
     traced = ("forward", "loss", "train_metrics", "train_step") + (("metrics",) if metrics_on_device else ())
     functions = {h: hooks[h].function for h in traced if h in hooks and hooks[h].source != "default"}
     host = [n for n, i in fields_of(e).items() if i.is_host]

@@ -110,7 +110,11 @@ def metrics(self, outputs, batch):
 
 @hookspec(firstresult=True)
 def train_metrics(self, outputs, batch):
-    """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program."""
+    """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program.
+
+    With ``metrics_residency("train_metrics") == "host"`` it runs on the host instead, on
+    NumPy arrays, once per micro-batch, through a host callback inside the same program
+    (every micro-batch's outputs then cross to the host; see docs/metrics.md)."""
 
 @hookspec(firstresult=True)
 def train_step(self, models, optimizers, batch):
@@ -151,8 +155,15 @@ def metrics_residency(self, hook):
 # -- optimizer --------------------------------------------------------
 
 @hookspec(firstresult=True)
-def param_group(self, keypath):
+def param_group(self, keypath, leaf):
     """Return the group name of the parameter at ``keypath`` (a tuple of str/int).
+
+    ``leaf`` is optional: an implementation that declares a second positional parameter
+    (``param_group(self, keypath, leaf)``) also receives the parameter array itself, as
+    ``build_model`` made it (read its ``ndim``, ``shape``, ``dtype``; do not keep it), so
+    "decay the 2-D weights only" is ``return "decay" if leaf.ndim >= 2 else "no_decay"``.
+    The one-argument form ``param_group(self, keypath)`` is called without it. Called
+    once per trainable array, at setup.
 
     Default: ``"default"``; when ``build_model`` returns a dict of models, the model's
     name (``keypath[0]``), so each model gets its own optimizer.
@@ -416,6 +427,10 @@ EXPERIMENT_HOOKS = (
     "learning_rate_ratio", "weight_decay", "optimizer", "decay_anchor", "monitor",
 )
 """Names of the experiment hooks, in contract order."""
+
+OPTIONAL_POSITIONALS = {"param_group": ("leaf",)}
+"""Trailing positional parameters of an experiment hook that an implementation may leave out;
+the core then calls it without them (see :func:`jaxnitro.plugin_manager.takes_positionals`)."""
 
 EXTENSION_HOOKS = tuple(n for n in vars(ExtensionSpec) if not n.startswith("_"))
 """Names of the extension hooks."""

@@ -53,6 +53,11 @@ PLUGIN_KNOBS = ("early_stop", "checkpointer")
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
 
+MIN_CLIP_NORM = 1e-8
+"""The smallest ``gradient_clip_norm`` accepted (besides 0 = off): a global-norm threshold below
+it leaves each float32 update at most ``1e-8 * learning_rate`` long (with Adam, below its ``eps``),
+so the weights do not move; a positive value below float32's range is stored as 0."""
+
 SCALAR_KNOBS = ("seed", "accum", "steps_per_dispatch", "max_epochs", "max_steps", "val_every_n_steps", "max_time",
                 "gradient_clip_norm", "check_divergence", "autolog_schedules", "log_every_n_steps", "n_devs", "run_dir")
 
@@ -181,7 +186,8 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
     * ``accum``, ``steps_per_dispatch``, ``max_epochs``, ``log_every_n_steps``: integers in range;
     * ``seed``: an integer (``1.7`` would become ``1``) in JAX's 64-bit range;
     * ``gradient_clip_norm``: ``None`` or a finite number >= 0 (NaN or a negative value
-      would switch clipping off);
+      would switch clipping off), and not below :data:`MIN_CLIP_NORM` unless it is 0 (a
+      threshold of ``1e-30`` zeroes every update);
     * ``check_divergence``, ``autolog_schedules``: ``True`` or ``False`` (the string
       ``"False"`` is true).
     """
@@ -215,6 +221,12 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
         refuse("gradient_clip_norm", "it must be a finite number >= 0: the global-norm threshold, "
                                      "or 0 (or None) for no clipping. NaN or a negative value "
                                      "would silently switch clipping off.")
+    if clip is not None and 0 < clip < MIN_CLIP_NORM:
+        refuse("gradient_clip_norm", f"a threshold this small (below {MIN_CLIP_NORM:g}) scales every "
+                                     f"update to almost nothing (and below float32's smallest "
+                                     f"number it becomes 0): the run would report `done` with the "
+                                     f"weights barely moved. Use a threshold near the gradient's "
+                                     f"global norm (e.g. 1.0), or 0 (or None) for no clipping.")
     for name in ("check_divergence", "autolog_schedules"):
         if not isinstance(knobs[name].value, (bool, np.bool_)):
             refuse(name, "it must be True or False (a string such as \"False\" is true in Python).")

@@ -3,7 +3,8 @@
 * ``Host`` (the default for an unmarked field): driver-only. Never reaches traced
   code; inside a compiled program it is a :class:`StrippedHost` sentinel.
 * ``GraphConst[T]``: baked into the compiled graph as a constant and part of the
-  compile-cache key. Must be hashable. Changing it compiles new programs.
+  compile-cache key. Must be hashable, or a NumPy/JAX array (keyed by its shape, dtype
+  and bytes). Changing it compiles new programs.
 * ``Device[T]``: converted to a device array once at setup and passed to every
   program as an input. Changing, sweeping or scheduling it compiles nothing.
 

@@ -149,13 +149,16 @@ class MetricAccumulator:
                 out._totals[name] = [ls[i] for i in range(max(map(len, lists))) for ls in lists if i < len(ls)]
         return out
 
-    def result(self) -> dict:
+    def result(self, check_counts: bool = True) -> dict:
+        """``{name: reduced value}``. A counted metric whose total count is 0 raises (its mean
+        would be NaN or inf), unless ``check_counts`` is False: setup's check of the first
+        `val` batch feeds the hooks zeros, whose counts mean nothing (the value is then NaN)."""
         out = {}
         for name, mode in self._modes.items():
             total = self._totals[name]
             if mode == "count":
                 counts = self._counts[name]
-                if counts.ndim == 0 and counts <= 0:  # per-entry counts may be 0 (a class absent: NaN)
+                if check_counts and counts.ndim == 0 and counts <= 0:  # per-entry counts may be 0 (a class absent: NaN)
                     raise ValueError(
                         f"jaxnitro: metric `{name}` has a total count of {float(counts):g} over the "
                         f"split; a counted metric is divided by its total count, so the result "
@@ -163,7 +166,11 @@ class MetricAccumulator:
                         f"over: return `(value_sum, n)` with n > 0 over the split (e.g. "
                         f"`label.shape[0]`), or use the 'sum' mode for a plain total."
                     )
-                value = total / counts
+                if check_counts:
+                    value = total / counts
+                else:
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        value = total / counts
             elif mode == "concat":
                 value = np.concatenate([np.atleast_1d(v) for v in total], axis=0)
             else:

@@ -2,7 +2,9 @@
 
 Every group gets ``optax.inject_hyperparams(rule)`` with two hyperparameters,
 ``learning_rate`` and ``weight_decay`` (decoupled, scaled by the rate as in
-AdamW). Their values enter the optimizer program each step as one small
+AdamW), plus each of the rule's own hyperparameters that a schedule drives
+(``b1`` of Adam, ``momentum`` of SGD: :func:`rule_hypers`; which ones are injected is
+part of the program's key, their values are not). Their values enter the optimizer program each step as one small
 float32 vector (:class:`HyperLayout` says which slot is which), so a constant,
 a schedule and a changed schedule all run the same compiled program.
 
@@ -22,6 +24,7 @@ decay read from the hyperparameter vector (a new decay compiles nothing).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -31,9 +34,10 @@ import numpy as np
 import optax
 
 from .cache import stable_key
+from .plugin_manager import takes_positionals
 
 __all__ = [
-    "GroupSpec", "OptimizerSpec", "HyperLayout", "AnchorState", "EmaState", "keypath_of",
+    "GroupSpec", "OptimizerSpec", "HyperLayout", "rule_hypers", "AnchorState", "EmaState", "keypath_of",
     "build_optimizer_spec", "init_opt_state", "with_ema", "split_ema", "join_ema", "ema_of", "rule_state_of",
 ]
 
@@ -102,10 +106,53 @@ class GroupSpec:
     weight_decay: float
     n_params: int
     anchor: str = "zero"
+    scheduled: tuple[str, ...] = ()
+    """The rule's own hyperparameters that a schedule drives (``("b1",)``): injected as inputs
+    of the program next to ``learning_rate`` and ``weight_decay`` (:func:`rule_hypers`)."""
 
     @property
     def rule_name(self) -> str:
         return getattr(self.rule, "__name__", repr(self.rule))
+
+    @property
+    def hypers(self) -> tuple[str, ...]:
+        """The group's slots in the hyperparameter vector: ``HYPERS``, then :attr:`scheduled`."""
+        return HYPERS + self.scheduled
+
+    @property
+    def schedulable(self) -> tuple[str, ...]:
+        """Every hyperparameter a schedule may bind for this group: ``learning_rate``,
+        ``weight_decay`` (decoupled) and the rule's own (:func:`rule_hypers`)."""
+        return HYPERS + tuple(h for h in rule_hypers(self.rule) if h not in HYPERS)
+
+
+def rule_hypers(rule) -> dict[str, float]:
+    """The rule factory's own schedulable hyperparameters and their defaults: ``{"b1": 0.9,
+    "b2": 0.999, "eps": 1e-08, "eps_root": 0.0}`` for ``optax.adam``, ``{"momentum": 0.0}`` for
+    ``optax.sgd``.
+
+    The parameters of ``rule``'s signature, ``learning_rate`` aside, that
+    ``optax.inject_hyperparams`` would inject as numbers: a default that is a real number (not a
+    bool), or a default of ``None`` whose annotation names ``float`` (SGD's ``momentum``; its
+    placeholder is ``0.0``, always overwritten by the schedule). Dtypes, flags and ``*args``
+    are not schedulable. A rule whose signature cannot be read (a builtin) has none."""
+    import inspect
+    import numbers
+
+    try:
+        params = inspect.signature(rule).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for p in params:
+        if p.name == "learning_rate" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        d = p.default
+        if isinstance(d, numbers.Real) and not isinstance(d, (bool, np.bool_)):
+            out[p.name] = float(d)
+        elif d is None and "float" in str(p.annotation):
+            out[p.name] = 0.0
+    return out
 
 
 @dataclass(frozen=True)
@@ -143,7 +190,7 @@ class OptimizerSpec:
 
     def key(self) -> tuple:
         return (
-            tuple((g.name, stable_key(g.rule), g.anchor) for g in self.groups),
+            tuple((g.name, stable_key(g.rule), g.anchor, g.scheduled) for g in self.groups),
             tuple(jax.tree_util.tree_leaves(self.labels)),
             self.clips,
             self.ema,
@@ -168,9 +215,11 @@ class OptimizerSpec:
         """The optax transformation: one injected rule per group (clipping is applied before it)."""
         per_group = {}
         for g in self.groups:
-            per_group[g.name] = optax.inject_hyperparams(_decoupled(g.rule, g.anchor))(
+            defaults = rule_hypers(g.rule)
+            per_group[g.name] = optax.inject_hyperparams(_decoupled(g.rule, g.anchor, g.scheduled))(
                 learning_rate=np.asarray(g.ratio, np.float32),
                 weight_decay=np.asarray(g.weight_decay, np.float32),
+                **{h: np.asarray(defaults[h], np.float32) for h in g.scheduled},
             )
         if len(per_group) == 1:  # one group: no masking machinery in the program or the state
             (tx,) = per_group.values()
@@ -196,16 +245,44 @@ class OptimizerSpec:
             out[self.layout.ema_index] = self.ema_decay
         for i, (group, hyper) in enumerate(self.layout.slots):
             g = next(x for x in self.groups if x.name == group)
-            out[i] = g.ratio * base_lr if hyper == "learning_rate" else g.weight_decay
+            if hyper == "learning_rate":
+                out[i] = g.ratio * base_lr
+            elif hyper == "weight_decay":
+                out[i] = g.weight_decay
+            else:  # a rule's own hyperparameter (always scheduled): its default until then
+                out[i] = rule_hypers(g.rule)[hyper]
         return out
 
+    def with_scheduled(self, scheduled: dict) -> "OptimizerSpec":
+        """This spec with ``scheduled[group]`` (rule hyperparameter names, e.g. ``("b1",)``)
+        injected as program inputs for those groups, and the vector's layout extended."""
+        if not any(scheduled.values()):
+            return self
+        groups = tuple(
+            dataclasses.replace(g, scheduled=tuple(h for h in g.schedulable if h in scheduled.get(g.name, ())))
+            for g in self.groups
+        )
+        layout = HyperLayout(tuple((g.name, h) for g in groups for h in g.hypers), ema=self.layout.ema)
+        return dataclasses.replace(self, groups=groups, layout=layout)
 
-def _decoupled(rule: Callable, anchor: str = "zero") -> Callable:
-    def make(learning_rate, weight_decay):
+
+def _decoupled(rule: Callable, anchor: str = "zero", scheduled: tuple[str, ...] = ()) -> Callable:
+    """The factory ``optax.inject_hyperparams`` wraps: ``rule`` at ``learning_rate`` (and the
+    scheduled rule hyperparameters, by name), chained with the decoupled decay. Its signature
+    names every injected hyperparameter (inject_hyperparams reads it)."""
+    import inspect
+
+    def make(learning_rate, weight_decay, **own):
+        inner = rule(learning_rate, **own)
         if anchor == "w0":
-            return optax.chain(rule(learning_rate), decay_toward_anchor(-learning_rate * weight_decay))
-        return optax.chain(rule(learning_rate), optax.add_decayed_weights(-learning_rate * weight_decay))
+            return optax.chain(inner, decay_toward_anchor(-learning_rate * weight_decay))
+        return optax.chain(inner, optax.add_decayed_weights(-learning_rate * weight_decay))
 
+    P = inspect.Parameter
+    make.__signature__ = inspect.Signature(
+        [P(n, P.POSITIONAL_OR_KEYWORD) for n in ("learning_rate", "weight_decay")]
+        + [P(n, P.KEYWORD_ONLY) for n in scheduled]
+    )
     make.__name__ = getattr(rule, "__name__", "rule")
     return make
 
@@ -294,10 +371,11 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
     group_of = hooks["param_group"].function
     if isinstance(params, dict) and hooks["param_group"].source == "default":
         group_of = lambda _e, keypath: str(keypath[0])  # noqa: E731  (a dict of models: one group each)
+    with_leaf = takes_positionals(group_of, "param_group") == 2  # param_group(self, keypath, leaf)
     names = []
     counts: dict[str, int] = {}
     for path, leaf in leaves_with_paths:
-        g = group_of(e, keypath_of(path))
+        g = group_of(e, keypath_of(path), leaf) if with_leaf else group_of(e, keypath_of(path))
         if not isinstance(g, str):
             raise TypeError(
                 f"jaxnitro: `param_group` returned {g!r} for {keypath_of(path)}; it must return a "
@@ -330,6 +408,6 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
                 f"weights, or the transferred ones with `weights=..., w0='weights'`)."
             )
         groups.append(GroupSpec(name, rule, ratio, decay, counts[name], anchor))
-        slots += [(name, h) for h in HYPERS]
+        slots += [(name, h) for h in HYPERS]  # rule hyperparameters join when scheduled (with_scheduled)
     layout = HyperLayout(tuple(slots), ema=ema_decay is not None)
     return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), layout, ema_decay)

@@ -236,22 +236,41 @@ def _spec_positionals(hook: str) -> tuple[str, ...]:
     return tuple(p for p in params if p not in ("self", "batch"))
 
 
-def _check_positionals(cls_name: str, hook: str, function) -> None:
-    """An experiment's own hook method: the count of positional parameters must match the spec."""
-    expected = _spec_positionals(hook)
-    positional = tuple(
+def _positional_names(function) -> tuple[str, ...]:
+    return tuple(
         p.name
         for p in inspect.signature(function).parameters.values()
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     )
-    if len(positional) != len(expected) + 1:
+
+
+def takes_positionals(function, hook: str) -> int:
+    """How many of ``hook``'s positional arguments (after ``self``) to pass ``function``: all
+    of them, or fewer when it leaves out trailing optional ones
+    (:data:`jaxnitro.hookspecs.OPTIONAL_POSITIONALS`: ``param_group(self, keypath)`` gets no
+    ``leaf``). A ``*args`` parameter takes all."""
+    expected = _spec_positionals(hook)
+    params = inspect.signature(function).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return len(expected)
+    return min(len(expected), max(len(_positional_names(function)) - 1, 0))
+
+
+def _check_positionals(cls_name: str, hook: str, function) -> None:
+    """An experiment's own hook method: the count of positional parameters must match the spec
+    (trailing optional ones, :data:`~jaxnitro.hookspecs.OPTIONAL_POSITIONALS`, may be left out)."""
+    expected = _spec_positionals(hook)
+    optional = hookspecs.OPTIONAL_POSITIONALS.get(hook, ())
+    positional = _positional_names(function)
+    if not len(expected) - len(optional) + 1 <= len(positional) <= len(expected) + 1:
         batch = "batch" in inspect.signature(getattr(hookspecs, hook)).parameters
+        shown = "".join(f"[, {a}]" if a in optional else f", {a}" for a in expected)
         raise TypeError(
             f"jaxnitro: hook `{hook}` of {cls_name} takes positional parameters {positional}, but "
-            f"the contract is `{hook}(self{''.join(', ' + a for a in expected)}"
+            f"the contract is `{hook}(self{shown}"
             f"{', *, <batch fields>' if batch else ''})`: the experiment first (`self`), then "
-            f"{len(expected)} positional parameter(s). Batch fields are keyword-only parameters "
-            f"(after `*`)."
+            f"{len(expected)} positional parameter(s){' (the bracketed one optional)' if optional else ''}. "
+            f"Batch fields are keyword-only parameters (after `*`)."
         )
 
 

@@ -44,6 +44,7 @@ from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
+from .train_metrics_host import host_train_metrics
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
 
@@ -161,6 +162,7 @@ class ProgramSet:
         skeleton: ModelSkeleton,
         param_def,
         state_def,
+        train_metrics_on_host: bool = False,
     ):
         self.cls = cls
         self.hooks = hooks
@@ -171,6 +173,7 @@ class ProgramSet:
         self.param_def = param_def
         self.state_def = state_def
         self.has_train_metrics = "train_metrics" in hooks
+        self.train_metrics_on_host = bool(train_metrics_on_host and self.has_train_metrics)
         self._base_key = (
             experiment_key(cls),  # what the programs reach of the class: in _hook_key
             tuple(sorted((k, stable_key(v)) for k, v in self.graph_values.items())),
@@ -223,6 +226,9 @@ class ProgramSet:
             )
         aux = [loss.astype(jnp.float32)]
         names = ()
+        if self.train_metrics_on_host:  # after the gradient: outputs go to the host callback
+            meta["aux_names"] = ("loss",)
+            return loss, (new_state, jnp.stack(aux), (outputs, self.routes["train_metrics"].select(batch)))
         if self.has_train_metrics:
             tm = self._hook("train_metrics")(view, outputs, **self.routes["train_metrics"].select(batch))
             if not isinstance(tm, dict):
@@ -238,6 +244,13 @@ class ProgramSet:
         return loss, (new_state, jnp.stack(aux))
 
     def _grads(self, params, state, dev, batch, meta):
+        if self.train_metrics_on_host:
+            (_, (new_state, aux, seen)), grads = jax.value_and_grad(self._loss_and_aux, has_aux=True)(
+                params, state, dev, batch, meta
+            )
+            names, host_aux = host_train_metrics(self, dev, *seen)
+            meta["aux_names"] = ("loss",) + names
+            return grads, new_state, jnp.concatenate([aux, host_aux])
         (_, (new_state, aux)), grads = jax.value_and_grad(self._loss_and_aux, has_aux=True)(
             params, state, dev, batch, meta
         )
@@ -249,6 +262,7 @@ class ProgramSet:
         return self._base_key + self._hook_key("forward", "loss", "train_metrics", "train_step") + (
             stable_key(self.param_def),
             stable_key(self.state_def),
+            self.train_metrics_on_host,
         )
 
     # The training programs take and return FLAT LEAF LISTS of the parameters, model state

@@ -8,6 +8,9 @@ Keys:
 
 * ``"learning_rate"`` / ``"weight_decay"``: every group's optimizer
   hyperparameter (the learning rate is multiplied by each group's ratio);
+* a rule's own hyperparameter, by the rule's name for it (``"b1"`` of
+  ``optax.adam``, ``"momentum"`` of ``optax.sgd``): every group (each group's rule
+  must have it), or one group with the group path;
 * a Device field's name: the field is rewritten every step;
 * ``{"opt": {"learning_rate": f, "encoder": {"learning_rate": g}}}`` and
   ``{"device": {"smoothing": f}}``: qualified forms; a group path binds one
@@ -27,7 +30,10 @@ import numpy as np
 
 from .optim import HYPERS
 
-__all__ = ["Bindings", "ScheduleLog", "ScheduleStream", "StepValues", "bind_schedules", "materialize"]
+__all__ = [
+    "Bindings", "ScheduleLog", "ScheduleStream", "StepValues", "bind_schedules", "materialize",
+    "scheduled_rule_hypers",
+]
 
 
 @dataclass
@@ -59,36 +65,59 @@ def _check_factory(key: str, value):
     return value
 
 
-def bind_schedules(schedules, device_fields: dict, groups: tuple[str, ...]) -> Bindings:
+def _hyper_list(names) -> str:
+    return ", ".join(names) or "(none)"
+
+
+def bind_schedules(schedules, device_fields: dict, groups) -> Bindings:
     """Bind the ``schedules`` dict to optimizer slots and Device fields; raise on unknown keys.
 
-    ``device_fields`` maps Device field names to FieldInfo; ``groups`` lists the
-    parameter group names.
+    ``device_fields`` maps Device field names to FieldInfo; ``groups`` maps each parameter
+    group's name to the hyperparameters a schedule may bind for it (``learning_rate``,
+    ``weight_decay`` and its rule's own, e.g. ``b1``: :attr:`~jaxnitro.optim.GroupSpec.schedulable`);
+    a tuple of names means ``HYPERS`` for each. A bare optimizer key binds every group, so
+    each group's rule must have it (else the group-path form is the fix).
     """
     b = Bindings()
     if not schedules:
         return b
+    if not isinstance(groups, dict):
+        groups = {g: HYPERS for g in groups}
+    known = tuple(dict.fromkeys([*HYPERS, *(h for hs in groups.values() for h in hs)]))
     if not isinstance(schedules, dict):
         raise TypeError(f"jaxnitro: `schedules` must be a dict of key -> factory, got {type(schedules).__name__}.")
+
+    def bare_opt(key: str, value, label: str) -> None:
+        lacking = [g for g, hs in groups.items() if key not in hs]
+        if lacking and len(lacking) < len(groups):
+            having = next(g for g in groups if g not in lacking)
+            raise KeyError(
+                f"jaxnitro: schedule `{label}` binds every parameter group, but the rule of group(s) "
+                f"{', '.join(f'`{g}`' for g in lacking)} has no hyperparameter `{key}` (theirs: "
+                f"{_hyper_list(groups[lacking[0]])}). Schedule it for the groups whose rule has it: "
+                f"{{'opt': {{'{having}': {{'{key}': ...}}}}}}."
+            )
+        b.opt[(None, key)] = _check_factory(label, value)
+
     for key, value in schedules.items():
         if key == "opt":
             if not isinstance(value, dict):
                 raise TypeError("jaxnitro: schedules['opt'] must be a dict: {'learning_rate': f, 'group': {...}}.")
             for k, v in value.items():
-                if k in HYPERS:
-                    b.opt[(None, k)] = _check_factory(f"opt/{k}", v)
-                elif k in groups and isinstance(v, dict):
+                if k in groups and isinstance(v, dict):
                     for h, f in v.items():
-                        if h not in HYPERS:
+                        if h not in groups[k]:
                             raise KeyError(
                                 f"jaxnitro: schedule `opt/{k}/{h}`: unknown optimizer hyperparameter "
-                                f"`{h}`; schedulable: {', '.join(HYPERS)}."
+                                f"`{h}` for group `{k}`; schedulable for its rule: {_hyper_list(groups[k])}."
                             )
                         b.opt[(k, h)] = _check_factory(f"opt/{k}/{h}", f)
+                elif k in known:
+                    bare_opt(k, v, f"opt/{k}")
                 else:
                     raise KeyError(
                         f"jaxnitro: schedule `opt/{k}` names neither an optimizer hyperparameter "
-                        f"({', '.join(HYPERS)}) nor a parameter group ({', '.join(groups)})."
+                        f"({_hyper_list(known)}) nor a parameter group ({', '.join(groups)})."
                     )
         elif key == "device":
             if not isinstance(value, dict):
@@ -101,7 +130,7 @@ def bind_schedules(schedules, device_fields: dict, groups: tuple[str, ...]) -> B
                     )
                 b.device[k] = _check_factory(f"device/{k}", v)
         else:
-            in_opt, in_dev = key in HYPERS, key in device_fields
+            in_opt, in_dev = key in known, key in device_fields
             if in_opt and in_dev:
                 raise KeyError(
                     f"jaxnitro: schedule key `{key}` is ambiguous: it names both an optimizer "
@@ -109,16 +138,30 @@ def bind_schedules(schedules, device_fields: dict, groups: tuple[str, ...]) -> B
                     f"{{'opt': {{'{key}': ...}}}} or {{'device': {{'{key}': ...}}}}."
                 )
             if in_opt:
-                b.opt[(None, key)] = _check_factory(key, value)
+                bare_opt(key, value, key)
             elif in_dev:
                 b.device[key] = _check_factory(key, value)
             else:
                 raise KeyError(
                     f"jaxnitro: unknown schedule key `{key}`. Schedulable: optimizer hyperparameters "
-                    f"({', '.join(HYPERS)}), Device fields ({', '.join(device_fields) or 'none'}), or "
-                    f"the qualified forms {{'opt': {{...}}}} / {{'device': {{...}}}}."
+                    f"by the rule's own name ({_hyper_list(known)}), Device fields "
+                    f"({', '.join(device_fields) or 'none'}), or the qualified forms "
+                    f"{{'opt': {{...}}}} / {{'device': {{...}}}}."
                 )
     return b
+
+
+def scheduled_rule_hypers(bindings: Bindings, groups) -> dict[str, tuple[str, ...]]:
+    """``{group: rule hyperparameters a schedule drives}`` (``learning_rate`` and
+    ``weight_decay`` aside, which every group injects): what
+    :meth:`~jaxnitro.optim.OptimizerSpec.with_scheduled` takes. ``groups`` as for
+    :func:`bind_schedules` (a mapping)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for g, hs in groups.items():
+        names = {h for (grp, h) in bindings.opt if h not in HYPERS and (grp is None or grp == g) and h in hs}
+        if names:
+            out[g] = tuple(h for h in hs if h in names)
+    return out
 
 
 #: Steps per stretch for a schedule evaluated in one call (an array call or a jitted vmap).
@@ -371,10 +414,14 @@ class StepValues:
                 else:
                     continue
                 self.slots.append((i, stream, gspec.ratio if hyper == "learning_rate" else 1.0))
-                if stream.varies:
+                if stream.varies and hyper != "weight_decay":
                     self.logged[f"schedule/{group}/{hyper}"] = ScheduleLog(
                         lambda s, i=i: float(self.hypers(s)[i]), total
                     )
+                    if hyper == "learning_rate":
+                        self._log_decay(gspec, i, bindings, varying_rate=True)
+                elif hyper == "weight_decay" and stream.varies:
+                    self._log_decay(gspec, i - 1, bindings, varying_rate=False)
         self.device: dict[str, ScheduleStream] = {}
         self.dtypes: dict[str, np.dtype] = {}
         for name, f in bindings.device.items():
@@ -388,6 +435,21 @@ class StepValues:
         self.block = min((s.block for s in self.streams), default=BLOCK)
         self._hyper_tables: dict[int, np.ndarray] = {}
         self._dev_tables: dict[tuple[str, int], np.ndarray] = {}
+
+    def _log_decay(self, gspec, lr_slot: int, bindings, varying_rate: bool) -> None:
+        """Log ``schedule/<group>/weight_decay``: the decoupled decay as applied at each step,
+        ``learning_rate * weight_decay`` (the fraction of each weight the step removes), which
+        varies when either does. A group without decay (0, unscheduled) logs none.
+
+        ``lr_slot`` is the group's learning-rate slot (its decay's is the next one)."""
+        name = f"schedule/{gspec.name}/weight_decay"
+        wd_scheduled = (gspec.name, "weight_decay") in bindings.opt or (None, "weight_decay") in bindings.opt
+        if name in self.logged or (varying_rate and not wd_scheduled and gspec.weight_decay == 0):
+            return
+        self.logged[name] = ScheduleLog(
+            lambda s: float(np.float32(self.hypers(s)[lr_slot]) * np.float32(self.hypers(s)[lr_slot + 1])),
+            self.total,
+        )
 
     def _stream(self, factory, name: str) -> ScheduleStream:
         stream = ScheduleStream(factory, self.total, name)

@@ -35,7 +35,7 @@ from .programs import ProgramSet, split_model
 from .progress import SetupSteps
 from .evaluation import check_eval_splits
 from .routing import check_reserved_fields, route_of
-from .schedules import bind_schedules
+from .schedules import bind_schedules, scheduled_rule_hypers
 from .state import Plan, TrainState
 from .weights import (
     check_ema_knob,
@@ -91,7 +91,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         if info.is_device
     }
     plan.metrics_on_device = _metrics_on_device(e, plan)
-    check_traced_code(e, plan.hooks, plan.metrics_on_device)
+    check_traced_code(e, plan.hooks, plan.metrics_on_device, _train_metrics_on_host(e, plan))
     plan.programs = _program_set(e, plan, state)
     steps.to("building optimizer")
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
@@ -250,10 +250,20 @@ def _metrics_on_device(e, plan: Plan) -> bool:
             raise ValueError(
                 f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
             )
-    if "train_metrics" in hooks and residency(e, "train_metrics") != "device":
+    dist = getattr(plan, "dist", None)
+    if _train_metrics_on_host(e, plan) and dist is not None and dist.multi_process:
         raise ValueError(
-            "jaxnitro: `train_metrics` runs traced in the gradient program; "
-            "metrics_residency('train_metrics') must be 'device'."
+            f"jaxnitro: metrics_residency('train_metrics') is 'host', but this is a multi-process job "
+            f"({dist.process_count} processes): a host-resident train_metrics would run on one "
+            f"process over rows that live on all of them. Return 'device' for train_metrics (it "
+            f"is traced and reduced across processes with the step), or compute it per process "
+            f"from `metrics` on the `val` split."
+        )
+    if "train_metrics" in routes and routes["train_metrics"].wants_key and _train_metrics_on_host(e, plan):
+        raise TypeError(
+            "jaxnitro: `train_metrics` declares the keyword `key`, but it runs on the host (its "
+            "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
+            "`key` from `train_metrics`, or make it device-resident (metrics_residency -> 'device')."
         )
     on_device = "metrics" in hooks and residency(e, "metrics") == "device"
     if "metrics" in routes and routes["metrics"].wants_key and not on_device:
@@ -263,6 +273,12 @@ def _metrics_on_device(e, plan: Plan) -> bool:
             "`key` from `metrics`, or make it device-resident (metrics_residency -> 'device')."
         )
     return on_device
+
+
+def _train_metrics_on_host(e, plan: Plan) -> bool:
+    """Whether ``train_metrics`` runs on the host (``metrics_residency`` = ``"host"``): the
+    training step then hands each micro-batch's outputs to it through a host callback."""
+    return "train_metrics" in plan.hooks and plan.hooks["metrics_residency"].function(e, "train_metrics") == "host"
 
 
 def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
@@ -276,6 +292,7 @@ def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
         skeleton=plan.skeleton,
         param_def=jax.tree_util.tree_structure(state.params),
         state_def=jax.tree_util.tree_structure(state.model_state),
+        train_metrics_on_host=_train_metrics_on_host(e, plan),
     )
 
 
@@ -298,6 +315,10 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
         ema_decay = check_ema_knob(settings.ema, settings.source("ema"))
         plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
         _knobs.check_optimizer_groups(plan.opt_spec.groups, type(e).__name__)
+        # schedules bind first: a scheduled rule hyperparameter (Adam's b1) is injected
+        schedulable = {g.name: g.schedulable for g in plan.opt_spec.groups}
+        plan.bindings = bind_schedules(settings.schedules, _device_fields(e), schedulable)
+        plan.opt_spec = plan.opt_spec.with_scheduled(scheduled_rule_hypers(plan.bindings, schedulable))
         plan.base_lr = _knobs.check_learning_rate(
             hooks["learning_rate"].function(e),
             f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
@@ -309,10 +330,13 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
             plan.tx = plan.opt_spec.transformation()
             opt_state = init_opt_state(plan.opt_spec, plan.tx, state.params, anchor)
         state = state.replace(opt_state=opt_state)
-    group_names = tuple(g.name for g in plan.opt_spec.groups) if plan.opt_spec else ()
-    device_fields = {n: i for n, i in fields_of(e).items() if i.is_device}
-    plan.bindings = bind_schedules(settings.schedules, device_fields, group_names)
+    else:
+        plan.bindings = bind_schedules(settings.schedules, _device_fields(e), ())
     return state
+
+
+def _device_fields(e) -> dict:
+    return {n: i for n, i in fields_of(e).items() if i.is_device}
 
 
 def _monitor(e, hooks: dict):
