@@ -223,6 +223,8 @@ def _bindings_band(nitro) -> Band:
         value = getattr(s, name)
         if name == "steps_per_dispatch" and value > 1:
             value = f"{value} ({_dispatches(nitro, value)})"
+        if value is None and name in ("max_epochs", "max_steps", "val_every_n_steps", "max_time"):
+            continue  # a budget or an event that is not set: nothing to show
         rows.append((name, value, s.source(name)))
     if s.logger is not None:
         rows.append(("logger", s.logger, s.source("logger")))
