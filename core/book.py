@@ -31,13 +31,15 @@ class EventBook:
       without ``max_steps`` is refused at setup);
     - ``val_every``: ``val_every_n_steps`` (rows close at validations), or None (rows close
       at epoch ends, validated when there is a ``val`` split);
-    - ``periods``: the step periods plugins asked to see (``jaxnitro_step_period``).
+    - ``periods``: the step periods plugins asked to see (``jaxnitro_step_period``);
+    - ``marks``: single steps plugins asked to see (an answer that is a collection of steps).
     """
 
     steps_per_epoch: int | None
     total: int
     val_every: int | None = None
     periods: tuple[int, ...] = ()
+    marks: frozenset = frozenset()
 
     @property
     def by_steps(self) -> bool:
@@ -62,6 +64,9 @@ class EventBook:
         cut = last
         for period in ((self.val_every,) if self.val_every else ()) + self.periods:
             cut = min(cut, (step // period + 1) * period)
+        for mark in self.marks:
+            if step < mark < cut:
+                cut = mark
         return cut
 
     def closes_row(self, step: int, epoch_done: bool) -> bool:
@@ -75,11 +80,14 @@ class EventBook:
 
     def boundary(self, step: int) -> bool:
         """Whether a plugin asked to see ``step`` (``jaxnitro_step_boundary`` is emitted)."""
-        return any(step % p == 0 for p in self.periods)
+        return step in self.marks or any(step % p == 0 for p in self.periods)
 
 
 def make_book(settings, steps_per_epoch: int | None, periods=()) -> EventBook:
     """The book of a run with these settings, from the train split's ``steps_per_epoch``.
+
+    ``periods`` are the plugins' answers to ``jaxnitro_step_period``: each an int N (every N
+    steps) or a collection of step numbers (those steps once).
 
     ``total`` is the smaller of ``max_steps`` and ``max_epochs * steps_per_epoch`` (either
     may be absent, not both for a stream: setup refuses that). ``ValueError`` if neither
@@ -96,11 +104,17 @@ def make_book(settings, steps_per_epoch: int | None, periods=()) -> EventBook:
             "`max_steps=N` (the optimizer steps to take)."
         )
     total = int(min(bounds))
-    clean = tuple(sorted({int(p) for p in periods if p}))
-    for p in clean:
-        if p < 1 or not math.isfinite(p):
-            raise ValueError(f"jaxnitro: a plugin asked for a step period of {p}; it must be an integer >= 1.")
-    return EventBook(steps_per_epoch, total, settings.val_every_n_steps, clean)
+    ints, marks = set(), set()
+    for answer in periods:
+        if answer is None:
+            continue
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            if not math.isfinite(answer) or int(answer) != answer or answer < 1:
+                raise ValueError(f"jaxnitro: a plugin asked for a step period of {answer!r}; it must be an integer >= 1.")
+            ints.add(int(answer))
+        else:
+            marks.update(int(s) for s in answer if 0 < int(s) <= total)
+    return EventBook(steps_per_epoch, total, settings.val_every_n_steps, tuple(sorted(ints)), frozenset(marks))
 
 
 def schedule_horizon(settings, steps_per_epoch: int | None, bindings, resumed_meta: dict | None) -> int:

@@ -381,10 +381,11 @@ class LifecycleSpec:
 
     @hookspec
     def jaxnitro_step_period(self, run):
-        """Every how many optimizer steps this plugin wants to see the run's state
-        (``jaxnitro_step_boundary``), or None. Asked once at run start, of every plugin;
-        the loop ends a dispatch at each multiple of every answer (a checkpointer with
-        ``every_n_steps=N`` answers N)."""
+        """Which optimizer steps this plugin wants to see the run's state at
+        (``jaxnitro_step_boundary``): an int N (every N steps), a collection of step numbers
+        (those steps), or None. Asked once at run start, of every plugin; the loop ends a
+        dispatch at each such step (a checkpointer with ``every_n_steps=N`` answers N; a
+        profiler of steps 100..109 answers ``(99, 109)``)."""
 
     @hookspec
     def jaxnitro_step_boundary(self, run, step, epoch):

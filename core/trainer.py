@@ -172,7 +172,7 @@ class _Run:
         self.train = nitro.data["train"]
         self.accum = accum = nitro.settings.accum
         self.steps_per_epoch = len(self.train) // accum
-        periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p]
+        periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p is not None]
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)

@@ -261,3 +261,25 @@ def test_a_longer_resumed_run_must_say_which_horizon_its_schedules_follow(tmp_pa
     jn.train(Tiny(), max_epochs=2, **kw)
     new = rates(jn.Nitro(Tiny(), resume="auto", max_epochs=4, schedule_horizon="new", **kw))
     assert new[13] == pytest.approx(1e-2 * (1 - 12 / 24))  # re-planned over 24 steps
+
+
+def test_a_plugin_sees_the_steps_it_asked_for(tmp_path):
+    seen = []
+
+    class Marks:
+        @jn.hookimpl
+        def jaxnitro_step_period(self, run):
+            return (3, 7)
+
+        @jn.hookimpl
+        def jaxnitro_step_boundary(self, run, step, epoch):
+            seen.append((step, epoch, run.nitro.step))
+
+    from jaxnitro.plugin_manager import plugin_manager
+
+    plugin_manager().register(Marks(), name="marks")
+    try:
+        jn.train(Tiny(), run_dir=tmp_path, logger=None, steps_per_dispatch=4)
+    finally:
+        plugin_manager().unregister(name="marks")
+    assert seen == [(3, 1, 3), (7, 2, 7)]  # the state there is that step's (blocks cut to reach it)
