@@ -15,6 +15,7 @@ of an epoch, which is what a mid-epoch resume needs.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import itertools
@@ -40,6 +41,10 @@ class Outcome(enum.Enum):
     EARLY = "early"  # a plugin asked the run to stop (early stopping)
 
 
+class ShortBlock(Exception):
+    """A stream ended inside a block; the reader holds its batches for single steps."""
+
+
 class StreamReader:
     """Batches of one epoch stream: ``one()`` a micro-batch, ``block()`` ``k * accum`` of them
     stacked on the host as ``{field: [k, accum, batch, ...]}`` (then ``put_block``).
@@ -53,18 +58,22 @@ class StreamReader:
     def __init__(self, stream, k: int, accum: int, put_block=None, put_one=None, extra=None):
         self.stream, self.size, self.k, self.accum = stream, k * accum, k, accum
         self.put_block, self.put_one, self.extra = put_block, put_one, extra or {}
-        self.one = stream.__next__ if put_one is None and not self.extra else self._one
+        self.held: collections.deque = collections.deque()  # a short block's batches, taken singly
+        self.short = False  # the stream ended inside a block: the rest runs as single steps
+        self.one = stream.__next__ if k == 1 and put_one is None and not self.extra else self._one
 
     def _one(self) -> dict:
-        batch = next(self.stream)
+        batch = self.held.popleft() if self.held else next(self.stream)
         if self.put_one is not None:
             batch = self.put_one(batch)
         return {**batch, **self.extra} if self.extra else batch
 
     def block(self) -> dict:
         group = list(itertools.islice(self.stream, self.size))
-        if len(group) < self.size:
-            raise StopIteration
+        if len(group) < self.size:  # a stream ended: its last batches are taken one step at a time
+            self.held.extend(group)
+            self.short = True
+            raise ShortBlock
         shape = (self.k, self.accum)
         block = {f: np.stack([b[f] for b in group]).reshape(shape + group[0][f].shape) for f in group[0]}
         return block if self.put_block is None else self.put_block(block)
@@ -82,6 +91,8 @@ class ColumnReader:
     """Blocks and single batches of one epoch of a column source, by row numbers
     (:class:`~jaxnitro.blocks.ColumnBlocks`), from batch ``index`` on; micro-batch numbers
     (``key``) count from ``count``."""
+
+    short = False  # a column source has a len(): its blocks never run past the epoch
 
     def __init__(self, columns, epoch: int, index: int, count: int, extra=None):
         self.columns, self.epoch, self.index, self.count = columns, epoch, index, count
@@ -142,10 +153,14 @@ class Dispatcher:
         outcome = Outcome.COMPLETE
         try:
             while step < cut:
-                if k > 1 and cut - step >= k:
+                if k > 1 and cut - step >= k and not reader.short:
                     t0 = clock()
-                    block = reader.block()
-                    self.wait += clock() - t0
+                    try:
+                        block = reader.block()
+                    except ShortBlock:
+                        continue
+                    finally:
+                        self.wait += clock() - t0
                     p, s, o, aux = self.block_fn(
                         p, s, o, {}, {**self.tiled, **scheds.dev_block(step, k)}, self.extra, self.columns,
                         block, scale, scheds.hypers_block(step, k),

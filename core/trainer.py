@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import structlog
 
-from .batches import unwrap
+from .batches import is_sized, unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
 from .dispatch import ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
@@ -171,7 +171,8 @@ class _Run:
         phase_start(run, nitro.epoch + 1, "train", "preparing")  # schedules, programs, streams
         self.train = nitro.data["train"]
         self.accum = accum = nitro.settings.accum
-        self.steps_per_epoch = len(self.train) // accum
+        self.sized = is_sized(self.train)  # a stream (no len()) ends its epochs when it ends
+        self.steps_per_epoch = len(self.train) // accum if self.sized else None
         periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p is not None]
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
@@ -201,6 +202,9 @@ class _Run:
         if resumed is not None and resumed.step == nitro.step and not nitro.record.rows and resumed.open_row:
             self.reads.resume_open_row(resumed.open_row)
         run.open_row = self.reads.open_row
+        run.data_position = self.data_position
+        self.epoch_start = {}  # epoch -> the step before its first (a stream's position)
+        self.stream_ends = {}  # a stream's epoch ends: step -> epoch
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 
     def _dispatcher(self, dist):
@@ -260,8 +264,8 @@ class _Run:
         cuts, by :meth:`stop`."""
         with deferring() as stop:
             nitro, book = self.nitro, self.book
+            epoch, into = self.start_position()
             while nitro.step < book.total:
-                epoch, into = book.position(nitro.step)
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
@@ -273,7 +277,49 @@ class _Run:
                 if outcome is Outcome.EARLY:
                     nitro.record.stop_reason = self.run_ctx.stop_reason
                     return "done"
+                epoch, into = epoch + 1, 0
             return "done"
+
+    def start_position(self) -> tuple[int, int]:
+        """``(epoch, steps into it)`` where this ``train()`` starts: from the step for a
+        source with ``len()``; for a stream, from the resumed checkpoint's data position (its
+        first batches are then read again and dropped, with a warning), else the next epoch."""
+        nitro = self.nitro
+        if self.sized:
+            return self.book.position(nitro.step)
+        resumed = nitro.plan.resumed
+        position = (nitro.plan.weights_meta or {}).get("data_position") if resumed is not None else None
+        if resumed is None or resumed.step != nitro.step or not position:
+            return nitro.epoch + 1, 0
+        epoch, batches = int(position["epoch"]), int(position.get("batches_into_epoch", 0))
+        if (nitro.plan.weights_meta or {}).get("epoch_complete"):
+            return epoch + 1, 0
+        if batches:
+            warnings.warn(
+                f"jaxnitro: the `train` split is a stream without batch_at/begin_epoch, so resuming at "
+                f"step {nitro.step} reads epoch {epoch} from its start again and drops its first "
+                f"{batches} batches before training goes on (the time of reading them, no training). "
+                f"An index-addressable source (batch_at/begin_epoch) starts there at once.",
+                UserWarning, stacklevel=4,
+            )
+        return epoch, batches // self.accum
+
+    def data_position(self, step: int) -> dict:
+        """Where the data is after ``step``: ``{"epoch", "steps_into_epoch", "batches_into_epoch",
+        "epoch_complete"}`` (what a checkpoint records; the epoch is the one ``step`` belongs to)."""
+        if self.sized:
+            spe = self.steps_per_epoch
+            complete = step % spe == 0
+            epoch = step // spe if complete else step // spe + 1
+            into = 0 if complete else step % spe
+        elif step in self.stream_ends:  # a stream's epoch ended at this step
+            epoch, into, complete = self.stream_ends[step], 0, True
+        else:
+            epoch = max((e for e, first in self.epoch_start.items() if first < step), default=self.nitro.epoch)
+            into = step - self.epoch_start.get(epoch, step)
+            complete = False
+        return {"epoch": epoch, "steps_into_epoch": into, "batches_into_epoch": into * self.accum,
+                "epoch_complete": complete}
 
     def train_epoch(self, epoch: int, into: int, stop) -> Outcome:
         """Dispatch ``epoch`` from its step ``into`` (0, or a resumed run's position) to its
@@ -281,6 +327,7 @@ class _Run:
         completed step is published whatever happens."""
         nitro, book, dispatcher, reads = self.nitro, self.book, self.dispatcher, self.reads
         step, last = nitro.step, book.epoch_last(epoch)
+        self.epoch_start[epoch] = step - into
         leaves = nitro.state.leaves()
         dispatcher.wait, t_epoch = 0.0, time.perf_counter()
         outcome = Outcome.COMPLETE
@@ -294,16 +341,27 @@ class _Run:
                 self.publish(leaves, step)
                 if outcome is Outcome.COMPLETE and step < last:  # a cut inside the epoch
                     outcome = self.at_cut(epoch, step, False, stop)
-            if outcome is Outcome.COMPLETE and step == epoch * self.steps_per_epoch:
+            epoch_done = outcome is Outcome.EXHAUSTED or (self.sized and step == epoch * self.steps_per_epoch)
+            if outcome is Outcome.COMPLETE and epoch_done:
                 reader.drain()
         finally:
             reader.close()
             self.publish(leaves, step)
+        if outcome is Outcome.EXHAUSTED:  # a stream ended: its epoch is over
+            self.stream_ends[step] = epoch
+            if into == 0 and step == self.epoch_start[epoch]:
+                raise ValueError(
+                    f"jaxnitro: the `train` split (a stream without len()) yielded no batch in epoch "
+                    f"{epoch}: an epoch is one pass over it, so it must be an iterable that can be read "
+                    f"again (a grain IterDataset, a DataLoader, a class whose __iter__ starts a new "
+                    f"pass), not a one-shot generator."
+                )
+            outcome = Outcome.COMPLETE
         if outcome is not Outcome.COMPLETE:
             return outcome  # no row for a partial epoch; its steps are still read and logged
         elapsed = time.perf_counter() - t_epoch
         stats = {"data_wait_frac": dispatcher.wait / elapsed if elapsed else 0.0}
-        return self.at_cut(epoch, step, step == epoch * self.steps_per_epoch, stop, stats)
+        return self.at_cut(epoch, step, epoch_done, stop, stats)
 
     def at_cut(self, epoch: int, step: int, epoch_done: bool, stop, stats=None) -> Outcome:
         """What is due after ``step``: the epoch's end (``jaxnitro_epoch_trained``), a row's
@@ -402,7 +460,7 @@ class _Run:
         source = unwrap(self.train)
         if not is_addressable(source):
             return None
-        first = (epoch - 1) * self.steps_per_epoch + 1
+        first = self.epoch_start.get(epoch, 0) + 1
         batch_at, begin_epoch = accessors(source)
         begin_epoch(epoch)
         routes = self.nitro.plan.routes

@@ -111,8 +111,11 @@ def _horizon(nitro):
     train = nitro.data.get("train")
     if train is None:
         return None, None
-    per_epoch = len(train) // nitro.settings.accum
     s = nitro.settings
+    try:
+        per_epoch = len(train) // s.accum
+    except TypeError:  # a stream: max_steps alone bounds the run
+        return None, s.max_steps
     bounds = [b for b in (s.max_steps, per_epoch * s.max_epochs if s.max_epochs is not None else None) if b is not None]
     return per_epoch, min(bounds)
 
@@ -123,6 +126,8 @@ def _horizon_text(nitro) -> str:
     per_epoch, total = _horizon(nitro)
     if total is None:
         return "no train split"
+    if per_epoch is None:
+        return f"{total:,} optimizer steps (max_steps; a stream without len())"
     if s.max_steps is not None and total == s.max_steps:
         return f"{total:,} optimizer steps (max_steps; {total / per_epoch:.3g} epochs of {per_epoch})"
     return f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})"
