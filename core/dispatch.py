@@ -28,7 +28,55 @@ import numpy as np
 from .batches import batch_width
 from .routing import KEY_COUNT
 
-__all__ = ["Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+__all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+
+
+DISPATCH_BOUND = 0.1
+"""``steps_per_dispatch="auto"``: the longest one dispatch may take, in seconds (Ctrl-C,
+SIGTERM and the progress bar are seen between dispatches)."""
+MAX_AUTO_K = 64
+"""The most steps ``"auto"`` puts in one dispatch."""
+
+
+class AutoProbe:
+    """Measures a run's step time at ``k = 1`` and chooses ``steps_per_dispatch`` for ``"auto"``.
+
+    Two marks after the run's first step: ``first`` (the compile is over by then) and
+    ``last``; at each the loop drains the device, and the wall time between them over the
+    steps between is the time of one step, dispatch and compute together. ``k`` is the largest
+    power of two with ``k`` steps in at most :data:`DISPATCH_BOUND` seconds, at most
+    :data:`MAX_AUTO_K`; below 4 a block program is not worth its compile, and ``k`` is 1.
+    """
+
+    WARMUP, SPAN = 8, 32
+
+    def __init__(self, start: int):
+        self.first, self.last = start + self.WARMUP, start + self.WARMUP + self.SPAN
+        self.t_first, self.seconds = None, float("nan")
+
+    def next_mark(self, step: int) -> int:
+        """The next mark after ``step`` (a cut for the loop)."""
+        return self.first if step < self.first else self.last
+
+    def due(self, step: int) -> bool:
+        return step in (self.first, self.last)
+
+    def mark(self, step: int, now: float | None = None) -> int | None:
+        """Note the time at a mark (the device drained); at the last, return the chosen ``k``."""
+        now = time.perf_counter() if now is None else now
+        if step == self.first:
+            self.t_first = now
+            return None
+        self.seconds = (now - self.t_first) / self.SPAN
+        return choose_k(self.seconds)
+
+
+def choose_k(step_seconds: float) -> int:
+    """The ``k`` for a measured step time (see :class:`AutoProbe`)."""
+    k = 1
+    while k * 2 <= MAX_AUTO_K and k * 2 * step_seconds <= DISPATCH_BOUND:
+        k *= 2
+    return k if k >= 4 else 1
 
 
 class Outcome(enum.Enum):
@@ -138,6 +186,11 @@ class Dispatcher:
         # from the one-step program; a per-step input keeps the step's arithmetic as it is
         self.tiled = _tiled({n: v for n, v in device_values.items() if n not in scheds.device}, k) if k > 1 else {}
         self.wait = 0.0  # seconds spent waiting for batches
+
+    def use_blocks(self, k: int, block_fn) -> None:
+        """From now on dispatch ``k`` steps at a time through ``block_fn`` (``"auto"`` chose ``k``)."""
+        self.k, self.block_fn = k, block_fn
+        self.tiled = _tiled({n: v for n, v in self.dev.items() if n not in self.scheds.device}, k)
 
     def run(self, reader, leaves, step: int, cut: int, stop, pending: list, read_every: int, read):
         """Dispatch steps ``step + 1 .. cut`` from ``reader``: ``(leaves, step reached, Outcome)``.

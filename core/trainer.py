@@ -25,7 +25,7 @@ import structlog
 from .batches import is_sized, unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
-from .dispatch import ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
+from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, emit, emit_finish, run_scoped
 from .interrupts import Preempted, deferring, immediate, stop_signals
@@ -184,7 +184,9 @@ class _Run:
         # several processes: every cut is read before the next segment starts, so that what
         # the epoch's end does across processes (checkpoint barriers) happens at the same point
         self.lockstep = dist is not None and dist.multi_process
-        self.k = nitro.settings.steps_per_dispatch
+        self.k, self.probe = nitro.settings.steps_per_dispatch, None
+        if self.k == "auto":
+            self.k, self.probe = self._auto_k(dist)
         self.dispatcher, self.transfer, self.columns = self._dispatcher(dist)
         read_every, max_pending = READ_EVERY, MAX_PENDING  # in pending entries
         if self.k > 1:
@@ -207,13 +209,30 @@ class _Run:
         self.stream_ends = {}  # a stream's epoch ends: step -> epoch
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 
+    def _block_program(self):
+        plan = self.nitro.plan
+        return plan.programs.train_block(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(self.nitro.opt_state))
+
+    def _auto_k(self, dist) -> tuple[int, "AutoProbe | None"]:
+        """``steps_per_dispatch="auto"``: ``(k, probe)``. The ``k`` an earlier run of the same
+        programs chose (kept with the block program), else 1 and a probe that measures the step
+        time and chooses (see :class:`~jaxnitro.dispatch.AutoProbe`). A source without columns
+        (its blocks would be stacked on the host) or a sharded run: 1, no probe."""
+        if dist is not None or not callable(getattr(unwrap(self.train), "columns", None)):
+            return 1, None
+        chosen = self._block_program().meta.get("auto_k")
+        if chosen is not None:
+            return chosen, None
+        probe = AutoProbe(self.nitro.step)
+        return 1, (probe if probe.last <= self.book.total else None)
+
     def _dispatcher(self, dist):
         """The :class:`Dispatcher`, the train split's transfer and its columns (or None)."""
         nitro, k, accum = self.nitro, self.k, self.accum
         progs, plan = nitro.plan.programs, nitro.plan
         o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.step_prog = progs.train_step(plan.opt_spec, plan.tx, o_def)
-        self.block_prog = progs.train_block(plan.opt_spec, plan.tx, o_def) if k > 1 else None
+        self.block_prog = self._block_program() if k > 1 else None
         scale = jax.device_put(np.float32(1.0 / accum))
         if dist is not None:
             scale = dist.replicate(scale)
@@ -221,19 +240,24 @@ class _Run:
                 self.scheds.vector = dist.replicate(self.scheds.vector)
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
         extra, columns = {}, None
-        if k > 1:  # batches stay on the host until a block of k * accum is stacked and sent at once
+        if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
+            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(nitro, TRAIN_HOOKS), 1, accum, keyed_run, False)
+            if columns is None:
+                self.probe = None
+        if k > 1 or self.probe is not None:  # batches stay on the host until a block of k * accum is sent at once
             fields = _device_fields(nitro, TRAIN_HOOKS)
             transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
             if keyed_run:
                 extra = {KEY_DATA: nitro.state.rng}
-            columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
+            if columns is None:
+                columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
         else:
             transfer = make_transfer(nitro, TRAIN_HOOKS)
         if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
             transfer = width_checked(transfer, plan.width)
         if keyed_run:
             counter = itertools.count(nitro.step * accum)
-            transfer = keyed(transfer, nitro.state.rng, counter) if k == 1 else counted(transfer, counter)
+            transfer = keyed(transfer, nitro.state.rng, counter) if not extra else counted(transfer, counter)
         dispatcher = Dispatcher(
             k=k, accum=accum, step_fn=self.step_prog.jitted,
             accumulate=progs.accumulate().jitted if accum > 1 else None,
@@ -335,12 +359,16 @@ class _Run:
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 cut = book.next_cut(step, last)
+                if self.probe is not None:
+                    cut = min(cut, self.probe.next_mark(step))
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )
                 self.publish(leaves, step)
-                if outcome is Outcome.COMPLETE and step < last:  # a cut inside the epoch
-                    outcome = self.at_cut(epoch, step, False, stop)
+                if outcome is Outcome.COMPLETE and self.probe is not None and self.probe.due(step):
+                    outcome = self._probe_at(step, reader)
+                if outcome is Outcome.COMPLETE and step < last and cut == book.next_cut(cut - 1, last):
+                    outcome = self.at_cut(epoch, step, False, stop)  # a cut inside the epoch
             epoch_done = outcome is Outcome.EXHAUSTED or (self.sized and step == epoch * self.steps_per_epoch)
             if outcome is Outcome.COMPLETE and epoch_done:
                 reader.drain()
@@ -362,6 +390,29 @@ class _Run:
         elapsed = time.perf_counter() - t_epoch
         stats = {"data_wait_frac": dispatcher.wait / elapsed if elapsed else 0.0}
         return self.at_cut(epoch, step, epoch_done, stop, stats)
+
+    def _probe_at(self, step: int, reader) -> Outcome:
+        """``steps_per_dispatch="auto"``: a probe mark. Every step so far is read (the device
+        drained), the time noted; at the last mark ``k`` is chosen, kept with the block program
+        (later runs of the same programs start with it), and the rest of the run dispatched
+        ``k`` steps at a time."""
+        if self.reads.read(wait=True):
+            return Outcome.DIVERGED
+        probe = self.probe
+        k = probe.mark(step)
+        if k is None:
+            return Outcome.COMPLETE
+        self.probe = None
+        self.block_prog = self._block_program()
+        self.block_prog.meta["auto_k"] = k
+        if k > 1:
+            self.k = k
+            self.columns.k = k
+            reader.size = k * self.accum
+            self.dispatcher.use_blocks(k, self.block_prog.jitted)
+            self.reads.read_every, self.reads.max_pending = max(1, READ_EVERY // k), max(2, MAX_PENDING // k)
+        log.debug("steps_per_dispatch chosen", k=k, step_ms=round(probe.seconds * 1e3, 4))
+        return Outcome.COMPLETE
 
     def at_cut(self, epoch: int, step: int, epoch_done: bool, stop, stats=None) -> Outcome:
         """What is due after ``step``: the epoch's end (``jaxnitro_epoch_trained``), a row's

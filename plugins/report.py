@@ -226,7 +226,9 @@ def _bindings_band(nitro) -> Band:
     for name in ("accum", "steps_per_dispatch", "max_epochs", "max_steps", "val_every_n_steps", "max_time", "seed",
                  "log_every_n_steps", "check_divergence"):
         value = getattr(s, name)
-        if name == "steps_per_dispatch" and value > 1:
+        if name == "steps_per_dispatch" and value == "auto":
+            value = "auto (k from the measured step time; one dispatch <= 0.1 s)"
+        elif name == "steps_per_dispatch" and value > 1:
             value = f"{value} ({_dispatches(nitro, value)})"
         if value is None and name in ("max_epochs", "max_steps", "val_every_n_steps", "max_time"):
             continue  # a budget or an event that is not set: nothing to show

@@ -367,3 +367,35 @@ class _PreemptingStream(_Stream):
             if self.read == self.at:
                 request.status = "preempted"
             yield b
+
+
+# -- steps_per_dispatch="auto" -----------------------------------------------------------------
+
+
+def test_auto_chooses_k_from_the_step_time():
+    from jaxnitro.dispatch import DISPATCH_BOUND, choose_k
+
+    assert choose_k(0.0005) == 64  # 64 steps in 32 ms
+    assert choose_k(0.004) == 16  # 16 x 4 ms = 64 ms <= 100 ms; 32 would take 128
+    assert choose_k(0.03) == 1  # 2 steps fit: not worth a block program
+    assert choose_k(DISPATCH_BOUND) == 1
+
+
+def test_auto_is_bitwise_equal_to_one_step_a_dispatch_and_keeps_its_choice(tmp_path):
+    from long_run_child import data
+
+    kw = dict(run_dir=tmp_path, max_steps=150, max_epochs=None, val_every_n_steps=50, logger=None)
+    ref = jn.train(LongRun(), data=data(), steps_per_dispatch=1, **kw)
+    auto = jn.train(LongRun(), data=data(), steps_per_dispatch="auto", **kw)
+    assert_same_state(auto, ref)
+    assert auto.rows == ref.rows
+    plan = auto.plan
+    chosen = plan.programs.train_block(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(auto.opt_state)).meta["auto_k"]
+    assert isinstance(chosen, int) and chosen >= 1
+    again = jn.train(LongRun(), data=data(), steps_per_dispatch="auto", **kw)  # starts at the kept k
+    assert_same_state(again, ref)
+
+
+def test_a_bad_steps_per_dispatch_names_auto(tmp_path):
+    with pytest.raises(ValueError, match=r'steps_per_dispatch.*or "auto"'):
+        jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch="fast", logger=None)
