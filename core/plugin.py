@@ -22,8 +22,11 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 ``run.store(key)``, the per-run dict for a plugin's state) and :class:`StepStretch`
 (``jaxnitro_steps_read``). A history row (``jaxnitro_epoch_end``) is a ``dict``.
 
-**Knobs.** :func:`owns_knob` says whether a plugin is the one that accepted a run knob
-(``jaxnitro_accept_knob``) for this handle: only that plugin acts on it.
+**Knobs and answers.** :func:`owns_knob` says whether a plugin is the one that accepted a
+run knob (``jaxnitro_accept_knob``) for this handle: only that plugin acts on it.
+:func:`answers_for` lists which plugin answered each extension hook for a handle (its
+setup and runs; ``print(nitro)`` shows them), :func:`answer_source` names one with its
+distribution.
 
 **Helpers** the built-in plugins share, each documented where it is defined:
 
@@ -64,6 +67,7 @@ from .evaluation import check_monitored_value
 from .events import RunContext, StepStretch
 from .experiment import call_method, fields_of, is_experiment, method_of, summarize_value, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
+from .plugin_manager import answer_source
 from .history import best_positions, improves
 from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
@@ -81,7 +85,7 @@ __all__ = [
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
     "StopPolicy", "Checkpointer", "Exporter",
     # events and who answered
-    "RunContext", "StepStretch", "Answer", "answers_for", "knob_owner", "owns_knob",
+    "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs
     "fields_of", "is_experiment", "call_method", "method_of", "summarize_value", "to_device_value",
     "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "SCALAR_KNOBS", "resolve_knobs",

@@ -198,9 +198,11 @@ def plugins_info() -> list[PluginInfo]:
 
 
 def answer_source(answer: Answer) -> str:
-    """``<plugin> (<distribution> <version>)`` for an :class:`~jaxnitro.hookcalls.Answer`."""
+    """``plugin <name> (<distribution> <version>)`` for an :class:`~jaxnitro.hookcalls.Answer`
+    (as :class:`ResolvedHook` names a plugin's experiment hook); ``plugin <name>`` for a plugin
+    registered by hand (no distribution)."""
     dist, version = _distributions(plugin_manager()).get(id(answer.plugin_object), ("?", "?"))
-    return f"{answer.plugin} ({dist} {version})" if dist != "?" else answer.plugin
+    return f"plugin {answer.plugin} ({dist} {version})" if dist != "?" else f"plugin {answer.plugin}"
 
 
 def disabled_plugins() -> list[str]:
