@@ -42,12 +42,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxnitro
-from jaxnitro.experiment import fields_of
-from jaxnitro.history import best_positions
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.knobs import require_monitor_and_val
-from jaxnitro.optim import ema_of, rule_state_of
-from jaxnitro.weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
+from jaxnitro.plugin import (
+    NoCheckpointError,
+    WeightsRecord,
+    best_positions,
+    ema_of,
+    fields_of,
+    from_jsonable,
+    hookimpl,
+    incompatibility,
+    jsonable,
+    owns_knob,
+    require_monitor_and_val,
+    rule_state_of,
+    tree_listing,
+)
 
 __all__ = ["Checkpointer", "Best", "Last", "Average", "FORMAT"]
 
@@ -237,24 +246,28 @@ def jaxnitro_accept_knob(name, value, nitro):
     return True
 
 
-_SAVERS: dict[int, "_Saver"] = {}
-
-
 def _saver(run):
-    return _SAVERS.get(id(run))
+    """The run's saver (in the run's store: it lives as long as the run), or None."""
+    return run.store(__name__).get("saver")
+
+
+def _mine(run):
+    """The run's ``checkpointer`` value when this plugin accepted it (so applies it), else None."""
+    ckpt = run.settings.checkpointer
+    return ckpt if isinstance(ckpt, Checkpointer) and owns_knob(run, "checkpointer", __name__) else None
 
 
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
-    ckpt = run.settings.checkpointer
-    if isinstance(ckpt, Checkpointer):
-        _SAVERS[id(run)] = _Saver(run, ckpt)
+    ckpt = _mine(run)
+    if ckpt is not None:
+        run.store(__name__)["saver"] = _Saver(run, ckpt)
 
 
 @hookimpl(trylast=True)
 def jaxnitro_step_period(run):
-    ckpt = run.settings.checkpointer
-    return ckpt.every_n_steps if isinstance(ckpt, Checkpointer) else None
+    ckpt = _mine(run)
+    return ckpt.every_n_steps if ckpt is not None else None
 
 
 @hookimpl(trylast=True)
@@ -280,7 +293,7 @@ def jaxnitro_epoch_end(run, row):
 
 @hookimpl(trylast=True)
 def jaxnitro_run_finish(run, status):
-    saver = _SAVERS.pop(id(run), None)
+    saver = run.store(__name__).pop("saver", None)
     if saver is not None:
         saver.finish(status)
 

@@ -1,7 +1,8 @@
 """The run's door to the plugins: lifecycle events and the objects they carry.
 
 The loop, evaluation and the handle call :func:`emit` (one lifecycle hook,
-every plugin) and :func:`emit_finish` (every plugin, even if one fails). A
+every plugin) and :func:`emit_finish` (every plugin, even if one fails), both
+through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work. A
 :class:`RunContext` is what a plugin sees of a run; a :class:`StepStretch`
 is one stretch of read optimizer steps.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from .hookcalls import call
 from .plugin_manager import plugin_manager
 
 __all__ = ["RunContext", "StepStretch", "emit", "emit_finish", "run_scoped"]
@@ -53,9 +55,17 @@ class RunContext:
     horizon: int | None = None
     data_position: object = None
     start_step: int = field(init=False, default=0)
+    _stores: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.start_step = int(getattr(self.nitro, "step", 0) or 0)
+
+    def store(self, key: str) -> dict:
+        """This run's dict for the plugin state filed under ``key`` (by convention the plugin's
+        module name, ``__name__``): the same dict at every hook of the run, gone with the run.
+        It replaces module globals keyed by ``id(run)``, which outlive a run that fails
+        before its finish and can be reused by a later run's id."""
+        return self._stores.setdefault(str(key), {})
 
     @property
     def resumed_step(self) -> int | None:
@@ -148,20 +158,18 @@ def emit(hook: str, **kwargs) -> None:
 
 
 def emit_finish(run: RunContext, status: str) -> None:
-    """``jaxnitro_run_finish`` on every plugin, each called even if another raised.
+    """``jaxnitro_run_finish`` on every plugin, through pluggy, each called even if another raised.
+
+    A guarded call (:func:`jaxnitro.hookcalls.call`): pluggy's order, ``tryfirst``/``trylast``
+    and wrappers as for any hook, and an implementation that raises is noted and skipped, so
+    the next one still runs (a ``wrapper=True`` implementation sees the call end normally).
 
     With status ``"done"`` the first error is raised after all were called; with
     any other status the run already has its own outcome (or exception), so
     errors are reported as warnings and never hide it.
     """
-    errors = []
-    given = {"run": run, "status": status}
-    for impl in reversed(plugin_manager().hook.jaxnitro_run_finish.get_hookimpls()):
-        try:
-            impl.function(*(given[a] for a in impl.argnames))
-        except Exception as err:  # noqa: BLE001 - every plugin gets to finish
-            errors.append((impl.plugin_name, err))
-    for name, err in errors:
+    _, frame = call(plugin_manager(), "jaxnitro_run_finish", {"run": run, "status": status}, guard=True)
+    for name, err in frame.errors:
         if status == "done":
             raise err
         log.warning("plugin failed to finish the run", plugin=name, status=status, error=repr(err))

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import structlog
 
+from .contracts import LOGGER_VERBS, Logger
 from .experiment import fields_of, summarize_value
 from .hookspecs import hookimpl
 from .plugin_manager import disabled_note, first_result, plugins_info
@@ -47,7 +48,7 @@ __all__ = [
     "scalar_value",
 ]
 
-LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
+# LOGGER_VERBS (the required verbs) and the Logger protocol live in jaxnitro.contracts.
 
 log = structlog.get_logger("jaxnitro")
 
@@ -87,7 +88,7 @@ def check_logger_knob(spec, source: str):
                     f"disabled{disabled_note()}. Enable it, or choose another logger (logger=None "
                     f"turns logging off)."
                 )
-        else:
+        elif not isinstance(entry, Logger):  # the protocol's check; then name the missing verb
             for verb in LOGGER_VERBS:
                 verb_of(entry, verb)
     return spec

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugin import hookimpl
 
 __all__ = ["JSONLLogger", "continue_jsonl", "read_jsonl", "jaxnitro_make_logger"]
 
