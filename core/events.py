@@ -40,6 +40,8 @@ class RunContext:
       checkpoint records it, for the horizon rule of a resumed run).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
+    - ``error``: the exception that failed the run (set by the loop, or by
+      :func:`emit_finish` when a plugin fails to finish a run that was ``"done"``), else None.
     """
 
     nitro: object
@@ -49,6 +51,7 @@ class RunContext:
     open_row: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
+    error: BaseException | None = None
     start_step: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -142,9 +145,12 @@ def emit(hook: str, **kwargs) -> None:
 def emit_finish(run: RunContext, status: str) -> None:
     """``jaxnitro_run_finish`` on every plugin, each called even if another raised.
 
-    With status ``"done"`` the first error is raised after all were called; with
-    any other status the run already has its own outcome (or exception), so
-    errors are reported as warnings and never hide it.
+    With status ``"done"`` a plugin that fails to finish fails the run: the plugins called
+    after it get status ``"failed"`` (``run.error`` is that error: a checkpoint save that
+    failed at the run's end makes the loggers' finish say ``"failed"``, so a plugin that
+    decides whether the run succeeded subscribes ``tryfirst``), and the first error is raised
+    after all were called. With any other status the run already has its own outcome (or
+    exception), so errors are reported as warnings and never hide it.
     """
     errors = []
     given = {"run": run, "status": status}
@@ -153,11 +159,15 @@ def emit_finish(run: RunContext, status: str) -> None:
             impl.function(*(given[a] for a in impl.argnames))
         except Exception as err:  # noqa: BLE001 - every plugin gets to finish
             errors.append((impl.plugin_name, err))
-    for name, err in errors:
-        if status == "done":
-            raise err
+            if status == "done" and given["status"] == "done":
+                given["status"], run.error = "failed", err
+    for i, (name, err) in enumerate(errors):
+        if status == "done" and i == 0:
+            continue  # raised below, once every other error is reported
         log.warning("plugin failed to finish the run", plugin=name, status=status, error=repr(err))
         warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({status}): {err!r}", RuntimeWarning)
+    if status == "done" and errors:
+        raise errors[0][1]
 
 
 class run_scoped:
