@@ -537,11 +537,15 @@ class _Saver:
         try:
             nitro = self.run.nitro
             state, rows = nitro.state, nitro.rows
-            _flush_loggers(self.run)  # what was logged up to the last step is out before its checkpoint
             row = rows[-1] if rows and rows[-1].get("step") == state.step else None
+            # this runs before the loggers finish: what they logged up to the step goes out first
             if status == "done" and row is not None and math.isfinite(row.get("train_loss", 0.0)):
+                if int(state.step) not in self.saved:
+                    _flush_loggers(self.run)
                 self.submit(state, row, end=None)  # the last epoch, when `every` skipped it
             elif status in ("interrupted", "preempted", "diverged") and state.step > self.start_step:
+                if int(state.step) not in self.saved:
+                    _flush_loggers(self.run)
                 self.submit(state, row if status != "diverged" else None, end=status)
         finally:
             self.snapshots.clear()
@@ -571,10 +575,11 @@ class _Saver:
                     f"resume='auto' continues from it once the cause is fixed)")
         else:
             kept = "no checkpoint of this run is on disk (nothing to resume from)"
+        fix = ("Keep the run folder while a run writes it; train again into a new one." if isinstance(err, _FolderGone)
+               else "Free disk space (or fix the folder's permissions) and train again.")
         raise RuntimeError(
             f"jaxnitro: saving the checkpoint {which}under {self.dir} failed: {type(err).__name__}: {err}. "
-            f"The run stops as 'failed'; {kept}. Free disk space (or fix the folder's permissions) and "
-            f"train again."
+            f"The run stops as 'failed'; {kept}. {fix}"
         ) from err
 
     def submit(self, state, row, end) -> None:
@@ -709,7 +714,7 @@ class _Saver:
         meta["items"] = list(tree)
         if _identity(self.run.run_dir) != self.folder_id:
             there = "is gone" if not os.path.isdir(self.run.run_dir) else "was deleted and made again"
-            raise FileNotFoundError(
+            raise _FolderGone(
                 errno.ENOENT,
                 f"the run folder {there} (deleted while the run was writing it); the checkpoint is not "
                 f"written, so that a checkpoint never reappears without the rest of its run folder",
@@ -768,6 +773,10 @@ class _Saver:
             return [] if end != "diverged" else None
         open_row = self.run.open_row
         return open_row(step) if callable(open_row) else None
+
+
+class _FolderGone(FileNotFoundError):
+    """A save refused because the run folder was deleted while the run wrote it."""
 
 
 def _identity(folder):

@@ -145,7 +145,7 @@ def test_a_failed_save_is_raised_on_the_loops_thread(tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(plugin._Saver, "write", fail)
-    with pytest.raises(RuntimeError, match=r"saving a checkpoint under .*checkpoints failed: OSError"):
+    with pytest.raises(RuntimeError, match=r"saving the checkpoint of step \d+ under .*checkpoints failed: OSError"):
         jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None, checkpointer=jn.Checkpointer())
     assert not plugin._SAVERS
 
