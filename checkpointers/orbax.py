@@ -510,10 +510,10 @@ class _Saver:
     def step_boundary(self, step: int) -> None:
         """``every_n_steps``: save the state after ``step`` when it is a multiple of N (its
         row's metrics go with it when a row closed there)."""
+        self.raise_failed()  # at every step boundary: a failed save stops the run at the first one after it
         n = self.ckpt.every_n_steps
         if n is None or step % n:
             return
-        self.raise_failed()
         nitro = self.run.nitro
         rows = nitro.rows
         row = rows[-1] if rows and rows[-1].get("step") == step else None

@@ -110,6 +110,34 @@ def test_the_lock_names_the_job_and_is_released_whatever_the_status(tmp_path):
     assert not (folder / LOCK_NAME).exists()
 
 
+def test_without_flock_the_record_decides(tmp_path, monkeypatch):
+    """A file system that refuses ``flock`` (ENOLCK): a live pid of this host holds the folder,
+    a dead one's lock is stale, another host's is refused."""
+    from jaxnitro import run_lock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
+    lock_file = tmp_path / LOCK_NAME
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for owner, refused in [({"pid": os.getppid(), "host": socket.gethostname()}, "held by the live process"),
+                           ({"pid": 1, "host": "elsewhere"}, "cannot lock files"),
+                           ({"pid": dead.pid, "host": socket.gethostname()}, None)]:
+        lock_file.write_text(json.dumps(owner))
+        if refused:
+            with pytest.raises(RunFolderInUse, match=refused):
+                hold_run_folder(str(tmp_path))
+            assert json.loads(lock_file.read_text()) == owner  # left as it was
+        else:
+            with pytest.warns(RuntimeWarning, match=rf"pid {dead.pid} is not alive on this host"):
+                lock = hold_run_folder(str(tmp_path))
+            assert lock_owner(tmp_path)["pid"] == os.getpid()
+            lock.release()
+            assert not lock_file.exists()
+
+
 # -- 5: a failed save is a recorded status ------------------------------------------------------------
 
 
@@ -158,6 +186,21 @@ def test_asynchronous_saves_that_fail_stop_the_run_at_the_next_epoch_end(tmp_pat
     assert finish["status"] == "failed" and "checkpoint of step 6" in finish["error"]
 
 
+def test_a_failed_mid_epoch_save_stops_the_run_at_the_next_step_boundary(tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin._Saver, "write", enospc_at(None))
+
+    class SlowBoundaries:  # longer than a failing write
+        @jn.hookimpl
+        def jaxnitro_step_boundary(self, run, step, epoch):
+            time.sleep(0.3)
+
+    nitro = jn.Nitro(Ranked(), run_dir=tmp_path, max_epochs=3, checkpointer=jn.Checkpointer(every_n_steps=2))
+    with run_scoped([SlowBoundaries()]), pytest.raises(RuntimeError, match="checkpoint of step 2 .* No space left"):
+        nitro.train()
+    assert nitro.status == "failed" and nitro.step == 4  # the next boundary, mid-epoch
+    assert lines(only_run(tmp_path))[-1]["status"] == "failed"
+
+
 # -- 6: the run folder deleted mid-run ----------------------------------------------------------------
 
 
@@ -189,6 +232,7 @@ def test_a_run_folder_deleted_mid_run_fails_the_run_and_is_not_recreated(tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.filterwarnings("ignore:jaxnitro. plugin .orbax. failed to finish")
 def test_a_save_never_recreates_a_deleted_run_folder(tmp_path):
     """The checkpointer's own check (a save queued before the deletion, written after it)."""
     class Delete:
