@@ -44,6 +44,8 @@ class RunContext:
       ``step`` (``epoch``, ``steps_into_epoch``, ``batches_into_epoch``, ``epoch_complete``).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
+    - ``error``: the exception that failed the run (set by the loop, or by
+      :func:`emit_finish` when a plugin fails to finish a run that was ``"done"``), else None.
     """
 
     nitro: object
@@ -53,6 +55,7 @@ class RunContext:
     open_row: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
+    error: BaseException | None = None
     data_position: object = None
     start_step: int = field(init=False, default=0)
     _stores: dict = field(init=False, default_factory=dict, repr=False)
@@ -158,22 +161,35 @@ def emit(hook: str, **kwargs) -> None:
 
 
 def emit_finish(run: RunContext, status: str) -> None:
-    """``jaxnitro_run_finish`` on every plugin, through pluggy, each called even if another raised.
+    """``jaxnitro_run_ending``, then ``jaxnitro_run_finish``, on every plugin, through pluggy,
+    each implementation called even if another raised.
 
-    A guarded call (:func:`jaxnitro.hookcalls.call`): pluggy's order, ``tryfirst``/``trylast``
+    Guarded calls (:func:`jaxnitro.hookcalls.call`): pluggy's order, ``tryfirst``/``trylast``
     and wrappers as for any hook, and an implementation that raises is noted and skipped, so
     the next one still runs (a ``wrapper=True`` implementation sees the call end normally).
 
-    With status ``"done"`` the first error is raised after all were called; with
-    any other status the run already has its own outcome (or exception), so
-    errors are reported as warnings and never hide it.
+    ``jaxnitro_run_ending`` is where a plugin's last work that can fail is done (the
+    checkpointer's final saves). With status ``"done"`` an error there fails the run:
+    ``jaxnitro_run_finish`` then gets status ``"failed"`` (so the loggers' finish line says
+    so) and ``run.error`` is that error. The first error of either call is raised after all
+    were called when the run was ``"done"``; with any other status the run already has its
+    own outcome (or exception), so errors are reported as warnings and never hide it.
     """
-    _, frame = call(plugin_manager(), "jaxnitro_run_finish", {"run": run, "status": status}, guard=True)
-    for name, err in frame.errors:
-        if status == "done":
-            raise err
-        log.warning("plugin failed to finish the run", plugin=name, status=status, error=repr(err))
-        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({status}): {err!r}", RuntimeWarning)
+    pm = plugin_manager()
+    _, ending = call(pm, "jaxnitro_run_ending", {"run": run, "status": status}, guard=True)
+    errors = list(ending.errors)
+    final = status
+    if status == "done" and errors:
+        final, run.error = "failed", errors[0][1]
+    _, finish = call(pm, "jaxnitro_run_finish", {"run": run, "status": final}, guard=True)
+    errors += finish.errors
+    for i, (name, err) in enumerate(errors):
+        if status == "done" and i == 0:
+            continue  # raised below, once every other error is reported
+        log.warning("plugin failed to finish the run", plugin=name, status=final, error=repr(err))
+        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({final}): {err!r}", RuntimeWarning)
+    if status == "done" and errors:
+        raise errors[0][1]
 
 
 class run_scoped:

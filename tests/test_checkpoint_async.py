@@ -158,7 +158,7 @@ def test_a_failed_save_is_raised_on_the_loops_thread(tmp_path, monkeypatch):
         def jaxnitro_run_start(self, run):
             runs.append(run)
 
-    with run_scoped([Watch()]), pytest.raises(RuntimeError, match=r"saving a checkpoint under .*checkpoints failed: OSError"):
+    with run_scoped([Watch()]), pytest.raises(RuntimeError, match=r"saving the checkpoint of step \d+ under .*checkpoints failed: OSError"):
         jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None, checkpointer=jn.Checkpointer())
     assert not runs[0].store(plugin.__name__)  # the saver was finished and dropped
 
