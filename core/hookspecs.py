@@ -412,7 +412,7 @@ class LifecycleSpec:
         after that step (copy it to keep it: the next step donates its buffers)."""
 
     @hookspec
-    def jaxnitro_run_ending(self, run, status):
+    def jaxnitro_run_ending(self, run: RunContext, status: str) -> None:
         """The run is about to finish with ``status``: a plugin whose last work can fail
         (the checkpointer's final saves and the wait for them) does it here. With status
         ``"done"``, an exception here fails the run: every ``jaxnitro_run_finish`` then gets

@@ -415,7 +415,8 @@ class _Run:
             reader.size = k * self.accum
             self.dispatcher.use_blocks(k, self.block_prog.jitted)
             self.reads.read_every, self.reads.max_pending = max(1, READ_EVERY // k), max(2, MAX_PENDING // k)
-        log.debug("steps_per_dispatch chosen", k=k, step_ms=round(probe.seconds * 1e3, 4))
+        self.run_ctx.chosen_k = k  # what "auto" chose, with the step time it measured
+        self.run_ctx.step_seconds = probe.seconds
         return Outcome.COMPLETE
 
     def at_cut(self, epoch: int, step: int, epoch_done: bool, stop, stats=None) -> Outcome:

@@ -206,7 +206,8 @@ def _routing_band(nitro) -> Band:
 def _hooks_band(nitro) -> Band:
     """Each experiment hook that is not the experiment's own, and where it came from."""
     rows = [(name, hook.source) for name, hook in nitro.plan.hooks.items() if hook.source != "experiment"]
-    rows += [(f"{a.hook}({a.question})", answer_source(a)) for a in answers_for(nitro)]  # the plugin that answered
+    rows += [(f"{a.hook}({a.question})", answer_source(a)) for a in answers_for(nitro)  # the plugin that answered
+             if a.hook != "jaxnitro_describe"]  # the report itself: it would change the report it is in
     return Band("hooks not defined by the experiment", ("hook", "from"), rows)
 
 
