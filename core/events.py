@@ -40,6 +40,10 @@ class RunContext:
       checkpoint records it, for the horizon rule of a resumed run).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
+    - ``step_annotation``: None, or set by a plugin (the profiler): a callable ``step ->
+      context manager`` that the loop enters around each dispatch of the segments it starts
+      from then on (``step`` is the dispatch's first optimizer step), e.g.
+      ``lambda s: jax.profiler.StepTraceAnnotation("train", step_num=s)``; None again stops it.
     """
 
     nitro: object
@@ -50,6 +54,7 @@ class RunContext:
     time_limit_reached: bool = False
     horizon: int | None = None
     start_step: int = field(init=False, default=0)
+    step_annotation: object = None
 
     def __post_init__(self):
         self.start_step = int(getattr(self.nitro, "step", 0) or 0)

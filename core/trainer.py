@@ -288,6 +288,7 @@ class _Run:
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 cut = book.next_cut(step, last)
+                dispatcher.annotate = self.run_ctx.step_annotation  # None unless a plugin is profiling
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )
