@@ -154,3 +154,39 @@ def test_a_disabled_profiler_refuses_the_knob(monkeypatch, tmp_path):
     finally:
         monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS")
         jn.reload_plugins()
+
+
+def _fetch_json(url: str):
+    """``url``'s JSON answer; the profile plugin gzips its answers whatever the request says."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as answer:
+        body = answer.read()
+        if answer.headers.get("Content-Encoding") == "gzip" or body[:2] == b"\x1f\x8b":
+            body = gzip.decompress(body)
+    return json.loads(body)
+
+
+@pytest.mark.slow
+def test_tensorboards_profile_plugin_shows_the_named_steps(tmp_path):
+    """The docs' command, `tensorboard --logdir <run folder>/profile`, with the profile plugin
+    (jaxnitro[profile]): the run is listed and its trace viewer names the steps."""
+    pytest.importorskip("tensorboard_plugin_profile", reason="the viewer is jaxnitro[profile]")
+    import sys
+    from pathlib import Path
+
+    from logger_plugin_support import free_port, server
+
+    n = jn.train(Tiny(), data=DATA, run_dir=tmp_path, logger=None, profile=(3, 2))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [str(Path(sys.executable).parent / "tensorboard"), "--logdir", os.path.join(n.run_dir, "profile"),
+               "--host", "127.0.0.1", "--port", str(port)]
+    with server(command, f"{base}/data/plugins_listing"):
+        assert _fetch_json(f"{base}/data/plugins_listing")["profile"]["enabled"]
+        (session,) = _fetch_json(f"{base}/data/plugin/profile/runs")
+        assert "trace_viewer@" in _fetch_json(f"{base}/data/plugin/profile/run_tools?run={session}")
+        (host,) = _fetch_json(f"{base}/data/plugin/profile/hosts?run={session}&tag=trace_viewer@")
+        trace = _fetch_json(f"{base}/data/plugin/profile/data?run={session}&tag=trace_viewer@&host={host['hostname']}")
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"train 3", "train 4"} <= names and "train 5" not in names and "train 2" not in names
