@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import warnings
 import weakref
 
 import jax
@@ -131,7 +130,7 @@ def _annotation(step: int):
 
 
 class _Window:
-    """One run's trace: steps ``first .. last``; started at ``begin`` (a step, or the run's start)."""
+    """One run's trace of steps ``first .. last``, started after step ``begin`` (``first - 1``)."""
 
     def __init__(self, run, first: int, last: int, begin: int):
         self.run, self.first, self.last, self.begin = run, first, last, begin
@@ -158,6 +157,8 @@ class _Window:
         self.run.step_annotation = None
         try:
             jax.block_until_ready(self.run.nitro.state.leaves())  # the window's steps computed
+        except RuntimeError:  # a dispatch that failed deleted its donated buffers: nothing to wait for
+            pass
         finally:
             jax.profiler.stop_trace()
 
@@ -169,30 +170,16 @@ def _main_process(run) -> bool:
 
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
-    """Plan the run's window (starting the trace now when it starts at the run's first step)."""
+    """Plan the run's window (starting the trace now when it starts at the run's first step).
+
+    A handle trains once, from the step its setup saw, so the window accepted at setup lies
+    ahead of the run."""
     window = _accepted.get(run.nitro)
-    if window is None or run.settings.profile is None or "train" not in run.nitro.data or not _main_process(run):
+    if window is None or run.settings.profile is None or not _main_process(run):
         return
     start, n = window
-    first, last, now = start, start + n - 1, run.start_step
-    if last <= now:
-        warnings.warn(
-            f"jaxnitro: `profile` = {run.settings.profile!r} traces steps {first}..{last}, but this "
-            f"train() starts at step {now} (an earlier train() of this handle took them); no trace "
-            f"is written. Build a new handle with a later window to trace again.",
-            UserWarning,
-            stacklevel=2,
-        )
-        return
-    if first <= now:
-        warnings.warn(
-            f"jaxnitro: `profile` = {run.settings.profile!r} traces steps {first}..{last}, but this "
-            f"train() starts at step {now}; the trace holds steps {now + 1}..{last} only.",
-            UserWarning,
-            stacklevel=2,
-        )
-    w = _windows[id(run)] = _Window(run, max(first, now + 1), last, max(first - 1, now))
-    if w.begin == now:
+    w = _windows[id(run)] = _Window(run, start, start + n - 1, start - 1)
+    if w.begin <= run.start_step:
         w.start()
 
 

@@ -46,7 +46,9 @@ def dispatches_outside_annotations(events, program: str) -> tuple[int, int]:
 def test_a_run_traces_exactly_the_window_and_names_its_steps(tmp_path):
     plain = jn.train(Tiny(), data=DATA, run_dir=tmp_path / "plain", logger=None)
     misses = jn.cache_stats()[1]
-    n = jn.train(Tiny(), data=DATA, run_dir=tmp_path / "profiled", logger=None, profile=(3, 2))
+    n = jn.Nitro(Tiny(), data=DATA, run_dir=tmp_path / "profiled", logger=None, profile=(3, 2))
+    assert any(line.split() == ["│", "profile", "│", "(3,", "2)", "│", "keyword", "│"] for line in str(n).splitlines())
+    n.train()
     assert n.status == "done" and n.step == 12
     names = {os.path.basename(f) for f in trace_files(n.run_dir)}
     assert any(f.endswith(".xplane.pb") for f in names)  # TensorBoard's profile plugin reads it
@@ -190,3 +192,27 @@ def test_tensorboards_profile_plugin_shows_the_named_steps(tmp_path):
         trace = _fetch_json(f"{base}/data/plugin/profile/data?run={session}&tag=trace_viewer@&host={host['hostname']}")
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"train 3", "train 4"} <= names and "train 5" not in names and "train 2" not in names
+
+
+def test_a_resumed_run_traces_a_window_after_its_step_and_refuses_one_before(tmp_path):
+    first = jn.train(Tiny(max_epochs=1), data=DATA, run_dir=tmp_path, logger=None,
+                     checkpointer=jn.Checkpointer(keep=(jn.Last(1),)))
+    assert first.step == 6
+    with pytest.raises(ValueError) as err:
+        jn.Nitro(Tiny(), data=DATA, run_dir=tmp_path, logger=None, resume="auto", profile=(5, 2))
+    assert ("run knob `profile` = (5, 2) (keyword) traces steps 5..6, but this handle starts at step 6 "
+            "(it resumes a run that took steps 1..6). Choose a start_step after 6, e.g. `profile=(7, 2)`.") in str(err.value)
+    n = jn.train(Tiny(), data=DATA, run_dir=tmp_path, logger=None, resume="auto", profile=(7, 2))
+    assert n.step == 12 and annotated_steps(trace_events(n.run_dir)) == [7, 8]  # from the resumed run's first step
+
+
+def test_a_trace_already_running_is_named_when_the_window_starts(tmp_path):
+    jax.profiler.start_trace(str(tmp_path / "mine"))
+    try:
+        n = jn.Nitro(Tiny(), data=DATA, run_dir=tmp_path / "runs", logger=None, profile=(3, 2))
+        with pytest.raises(RuntimeError, match=r"run knob `profile` = \(3, 2\) cannot start its trace: .*stop the "
+                                               r"other trace \(jax.profiler.stop_trace\(\)\) before train\(\)"):
+            n.train()
+        assert n.status == "failed" and n.step == 2
+    finally:
+        jax.profiler.stop_trace()
