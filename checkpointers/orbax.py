@@ -712,17 +712,16 @@ class _Saver:
         }
 
     def _position(self, state, row, end) -> dict:
-        spe = self.run.steps_per_epoch
         step = int(state.step)
-        complete = step % spe == 0
-        epoch = step // spe if complete else int(state.epoch)
+        position = self.run.data_position(step) if callable(self.run.data_position) else _epoch_position(self.run, step)
+        complete = position.pop("epoch_complete")
+        epoch = position["epoch"] if complete else int(state.epoch)
         return {
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "step": step,
             "epoch": epoch,
             "epoch_complete": complete,
-            "data_position": {"epoch": epoch, "steps_into_epoch": step % spe,
-                              "batches_into_epoch": (step % spe) * self.run.nitro.settings.accum},
+            "data_position": position,
             "metrics": jsonable(dict(row), strict=False) if row is not None else None,
             "end": end,
             "progress": {"open_row": self._open_row(step, row, end)},
@@ -736,6 +735,15 @@ class _Saver:
             return [] if end != "diverged" else None
         open_row = self.run.open_row
         return open_row(step) if callable(open_row) else None
+
+
+def _epoch_position(run, step: int) -> dict:
+    """The data position after ``step`` of a run with ``steps_per_epoch`` (no loop to ask)."""
+    spe = run.steps_per_epoch
+    complete = step % spe == 0
+    into = 0 if complete else step % spe
+    return {"epoch": step // spe + (0 if complete else 1), "steps_into_epoch": into,
+            "batches_into_epoch": into * run.nitro.settings.accum, "epoch_complete": complete}
 
 
 # -- reading --------------------------------------------------------------------------------------

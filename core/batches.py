@@ -117,6 +117,17 @@ def slice_outputs(outputs, n: int, width: int):
     return jax.tree_util.tree_map(lambda x: x[:n], outputs)
 
 
+def is_sized(source) -> bool:
+    """Whether ``source`` (a split, wrapped or not) has a ``len()``; a stream has none."""
+    if isinstance(source, (PrefetchIterator, NoPrefetch)):
+        return source.sized
+    try:
+        len(source)
+        return True
+    except TypeError:
+        return False
+
+
 def unwrap(source):
     """The user's source inside a PrefetchIterator/NoPrefetch wrapper."""
     return getattr(source, "source", source) if isinstance(source, (PrefetchIterator, NoPrefetch)) else source
@@ -129,7 +140,7 @@ def peek(source, epoch: int = 1):
     + ``batch_at(0)``; plain iterables with one ``next(iter(source))``.
     """
     src = unwrap(source)
-    if len(src) == 0:
+    if is_sized(src) and len(src) == 0:
         return None
     if isinstance(src, (list, tuple)):
         first = src[0]
@@ -141,6 +152,8 @@ def peek(source, epoch: int = 1):
         try:
             first = next(iter(src))
         except StopIteration:
+            if not is_sized(src):
+                raise ValueError(f"jaxnitro: {split_name(source)} is a stream that yielded no batch.") from None
             raise SourceLengthError(split, len(src), 0, epoch) from None
         except Exception as exc:  # noqa: BLE001 - said naming the split, the user's error as the cause
             raise failure_error(0, exc, epoch, "iterating the source", split,
@@ -190,13 +203,12 @@ def wrap_split(source, split: str):
             f"jaxnitro: split `{split}` is a single dict; a split is a source of batches (an "
             f"iterable of dicts with len()). Wrap one batch in a list: `[batch]`."
         )
-    try:
-        len(source)
-    except TypeError:
+    if not is_sized(source) and (split != "train" or is_addressable(source)):
         raise TypeError(
             f"jaxnitro: split `{split}` ({type(source).__name__}) has no len(); a source is an "
-            f"iterable of batch dicts with len() (or a list of batches)."
-        ) from None
+            f"iterable of batch dicts with len() (or a list of batches). Only the `train` split "
+            f"may be a stream without one, in a run bounded by max_steps."
+        )
     return _named(PrefetchIterator(source), split)
 
 
@@ -214,6 +226,11 @@ def check_train_split(train, accum: int) -> int:
 
     Returns the batch width. Raises ``ValueError`` naming the split and the fix.
     """
+    if not is_sized(train):  # a stream: its batches are counted as they come
+        first = peek(train)
+        width = batch_width(first, "`train` split's first batch")
+        train.first_batch_spec = field_specs(first)
+        return width
     n = len(train)
     if n == 0:
         raise ValueError("jaxnitro: the `train` split has no batches.")

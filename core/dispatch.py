@@ -15,6 +15,7 @@ of an epoch, which is what a mid-epoch resume needs.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import itertools
@@ -27,7 +28,55 @@ import numpy as np
 from .batches import batch_width
 from .routing import KEY_COUNT
 
-__all__ = ["Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+__all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+
+
+DISPATCH_BOUND = 0.1
+"""``steps_per_dispatch="auto"``: the longest one dispatch may take, in seconds (Ctrl-C,
+SIGTERM and the progress bar are seen between dispatches)."""
+MAX_AUTO_K = 64
+"""The most steps ``"auto"`` puts in one dispatch."""
+
+
+class AutoProbe:
+    """Measures a run's step time at ``k = 1`` and chooses ``steps_per_dispatch`` for ``"auto"``.
+
+    Two marks after the run's first step: ``first`` (the compile is over by then) and
+    ``last``; at each the loop drains the device, and the wall time between them over the
+    steps between is the time of one step, dispatch and compute together. ``k`` is the largest
+    power of two with ``k`` steps in at most :data:`DISPATCH_BOUND` seconds, at most
+    :data:`MAX_AUTO_K`; below 4 a block program is not worth its compile, and ``k`` is 1.
+    """
+
+    WARMUP, SPAN = 8, 32
+
+    def __init__(self, start: int):
+        self.first, self.last = start + self.WARMUP, start + self.WARMUP + self.SPAN
+        self.t_first, self.seconds = None, float("nan")
+
+    def next_mark(self, step: int) -> int:
+        """The next mark after ``step`` (a cut for the loop)."""
+        return self.first if step < self.first else self.last
+
+    def due(self, step: int) -> bool:
+        return step in (self.first, self.last)
+
+    def mark(self, step: int, now: float | None = None) -> int | None:
+        """Note the time at a mark (the device drained); at the last, return the chosen ``k``."""
+        now = time.perf_counter() if now is None else now
+        if step == self.first:
+            self.t_first = now
+            return None
+        self.seconds = (now - self.t_first) / self.SPAN
+        return choose_k(self.seconds)
+
+
+def choose_k(step_seconds: float) -> int:
+    """The ``k`` for a measured step time (see :class:`AutoProbe`)."""
+    k = 1
+    while k * 2 <= MAX_AUTO_K and k * 2 * step_seconds <= DISPATCH_BOUND:
+        k *= 2
+    return k if k >= 4 else 1
 
 
 class Outcome(enum.Enum):
@@ -38,6 +87,10 @@ class Outcome(enum.Enum):
     DIVERGED = "diverged"  # a read found a non-finite loss
     EXHAUSTED = "exhausted"  # a stream without len() ended: its epoch is over
     EARLY = "early"  # a plugin asked the run to stop (early stopping)
+
+
+class ShortBlock(Exception):
+    """A stream ended inside a block; the reader holds its batches for single steps."""
 
 
 class StreamReader:
@@ -53,18 +106,22 @@ class StreamReader:
     def __init__(self, stream, k: int, accum: int, put_block=None, put_one=None, extra=None):
         self.stream, self.size, self.k, self.accum = stream, k * accum, k, accum
         self.put_block, self.put_one, self.extra = put_block, put_one, extra or {}
-        self.one = stream.__next__ if put_one is None and not self.extra else self._one
+        self.held: collections.deque = collections.deque()  # a short block's batches, taken singly
+        self.short = False  # the stream ended inside a block: the rest runs as single steps
+        self.one = stream.__next__ if k == 1 and put_one is None and not self.extra else self._one
 
     def _one(self) -> dict:
-        batch = next(self.stream)
+        batch = self.held.popleft() if self.held else next(self.stream)
         if self.put_one is not None:
             batch = self.put_one(batch)
         return {**batch, **self.extra} if self.extra else batch
 
     def block(self) -> dict:
         group = list(itertools.islice(self.stream, self.size))
-        if len(group) < self.size:
-            raise StopIteration
+        if len(group) < self.size:  # a stream ended: its last batches are taken one step at a time
+            self.held.extend(group)
+            self.short = True
+            raise ShortBlock
         shape = (self.k, self.accum)
         block = {f: np.stack([b[f] for b in group]).reshape(shape + group[0][f].shape) for f in group[0]}
         return block if self.put_block is None else self.put_block(block)
@@ -82,6 +139,8 @@ class ColumnReader:
     """Blocks and single batches of one epoch of a column source, by row numbers
     (:class:`~jaxnitro.blocks.ColumnBlocks`), from batch ``index`` on; micro-batch numbers
     (``key``) count from ``count``."""
+
+    short = False  # a column source has a len(): its blocks never run past the epoch
 
     def __init__(self, columns, epoch: int, index: int, count: int, extra=None):
         self.columns, self.epoch, self.index, self.count = columns, epoch, index, count
@@ -128,6 +187,11 @@ class Dispatcher:
         self.tiled = _tiled({n: v for n, v in device_values.items() if n not in scheds.device}, k) if k > 1 else {}
         self.wait = 0.0  # seconds spent waiting for batches
 
+    def use_blocks(self, k: int, block_fn) -> None:
+        """From now on dispatch ``k`` steps at a time through ``block_fn`` (``"auto"`` chose ``k``)."""
+        self.k, self.block_fn = k, block_fn
+        self.tiled = _tiled({n: v for n, v in self.dev.items() if n not in self.scheds.device}, k)
+
     annotate = None
     """None, or ``step -> context manager`` (set by the loop per segment while a plugin
     profiles, :attr:`jaxnitro.RunContext.step_annotation`): each dispatch of :meth:`run` (a
@@ -150,10 +214,14 @@ class Dispatcher:
         outcome = Outcome.COMPLETE
         try:
             while step < cut:
-                if k > 1 and cut - step >= k:
+                if k > 1 and cut - step >= k and not reader.short:
                     t0 = clock()
-                    block = reader.block()
-                    self.wait += clock() - t0
+                    try:
+                        block = reader.block()
+                    except ShortBlock:
+                        continue
+                    finally:
+                        self.wait += clock() - t0
                     p, s, o, aux = self.block_fn(
                         p, s, o, {}, {**self.tiled, **scheds.dev_block(step, k)}, self.extra, self.columns,
                         block, scale, scheds.hypers_block(step, k),
@@ -190,7 +258,7 @@ class Dispatcher:
         annotate, self.annotate, outcome = self.annotate, None, Outcome.COMPLETE
         try:
             while step < cut and outcome is Outcome.COMPLETE:
-                end = step + (self.k if self.k > 1 and cut - step >= self.k else 1)
+                end = step + (self.k if self.k > 1 and cut - step >= self.k and not reader.short else 1)
                 with annotate(step + 1):
                     leaves, step, outcome = self.run(reader, leaves, step, end, stop, pending, read_every, read)
         finally:

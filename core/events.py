@@ -37,7 +37,9 @@ class RunContext:
       resumed from that step averages the row over all of its steps;
     - ``time_limit_reached``: set when ``max_time`` ended the run;
     - ``horizon``: set by the loop: the optimizer steps the schedules are planned over (a
-      checkpoint records it, for the horizon rule of a resumed run).
+      checkpoint records it, for the horizon rule of a resumed run);
+    - ``data_position``: set by the loop: ``data_position(step)`` is where the data is after
+      ``step`` (``epoch``, ``steps_into_epoch``, ``batches_into_epoch``, ``epoch_complete``).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
     - ``step_annotation``: None, or set by a plugin (the profiler): a callable ``step ->
@@ -53,6 +55,7 @@ class RunContext:
     open_row: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
+    data_position: object = None
     start_step: int = field(init=False, default=0)
     step_annotation: object = None
 
@@ -95,9 +98,14 @@ class RunContext:
         return self.nitro.experiment
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch (the train split's batches // ``accum``)."""
-        return len(self.nitro.data["train"]) // self.nitro.settings.accum
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps in one epoch (the train split's batches // ``accum``); None for a
+        stream without ``len()``."""
+        train = self.nitro.data["train"]
+        try:
+            return len(train) // self.nitro.settings.accum
+        except TypeError:
+            return None
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to end the run after this epoch, with status ``"done"``; the first

@@ -144,7 +144,7 @@ class Settings:
     run_dir: str
     n_devs: int | None
     accum: int
-    steps_per_dispatch: int
+    steps_per_dispatch: int | str
     max_epochs: int | None
     schedules: dict
     gradient_clip_norm: float
@@ -200,10 +200,13 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
 
     for name in ("accum", "steps_per_dispatch", "max_epochs", "log_every_n_steps"):
         v, low = knobs[name].value, (0 if name == "max_epochs" else 1)
+        if name == "steps_per_dispatch" and v == "auto":
+            continue  # chosen at run time from the measured step time
         if name == "max_epochs" and v is None and knobs["max_steps"].value is not None:
             continue  # the steps alone bound the run
         if not _is_int(v) or v < low:
-            refuse(name, f"it must be an integer >= {low}" + (" (or None with max_steps)." if name == "max_epochs" else "."))
+            refuse(name, f"it must be an integer >= {low}" + {"max_epochs": " (or None with max_steps).",
+                                                              "steps_per_dispatch": " or \"auto\"."}.get(name, "."))
     for name, what in (("max_steps", "the optimizer steps the run takes"),
                        ("val_every_n_steps", "validate every that many optimizer steps")):
         v = knobs[name].value
@@ -310,7 +313,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         run_dir=os.fspath(k["run_dir"]),
         n_devs=k["n_devs"],
         accum=int(k["accum"]),
-        steps_per_dispatch=int(k["steps_per_dispatch"]),
+        steps_per_dispatch="auto" if k["steps_per_dispatch"] == "auto" else int(k["steps_per_dispatch"]),
         # with max_steps and no max_epochs of the user's, the steps alone end the run
         max_epochs=(None if k["max_steps"] is not None and (knobs["max_epochs"].source == "default" or k["max_epochs"] is None)
                     else int(k["max_epochs"])),

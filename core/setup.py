@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from . import knobs as _knobs
 from .book import schedule_horizon
-from .batches import batch_width, check_train_split, peek, unwrap, wrap_split
+from .batches import is_sized, batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
 from .distributed import check_batch_divides, check_n_devs, make_dist, split_for_process
 from .experiment import check_traced_code, fields_of, is_experiment, to_device_value
@@ -97,14 +97,20 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
     plan.anchor_from = plan.weights_from if kwargs.get("w0") == "weights" else "build_model"
     state = _build_optimizer(e, plan, settings, data, state, anchor)
+    spe = len(data["train"]) // settings.accum if "train" in data and is_sized(data["train"]) else None
+    if "train" in data and spe is None and settings.max_steps is None:
+        raise ValueError(
+            f"jaxnitro: the `train` split is a stream without len() ({type(unwrap(data['train'])).__name__}), "
+            f"so max_epochs cannot bound the run and nothing would end it. Pass `max_steps=N` (the "
+            f"optimizer steps to take), or give the source a __len__."
+        )
     if record is not None and kwargs.get("weights") is None:  # resume=
-        spe = len(data["train"]) // settings.accum if "train" in data else None
         state = install_resume(
             state, plan, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)), steps_per_epoch=spe
         )
     settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
     if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
-        schedule_horizon(settings, len(data["train"]) // settings.accum, plan.bindings, record.metadata)
+        schedule_horizon(settings, spe, plan.bindings, record.metadata)
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
     state, device_values = dist.replicate(state), dist.replicate(device_values)  # n_devs > 1: on every device
     return Built(e, settings, data, plan, state, device_values)

@@ -22,10 +22,10 @@ import jax
 import numpy as np
 import structlog
 
-from .batches import unwrap
+from .batches import is_sized, unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
-from .dispatch import ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
+from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, emit, emit_finish, run_scoped
 from .interrupts import Preempted, deferring, immediate, stop_signals
@@ -171,7 +171,8 @@ class _Run:
         phase_start(run, nitro.epoch + 1, "train", "preparing")  # schedules, programs, streams
         self.train = nitro.data["train"]
         self.accum = accum = nitro.settings.accum
-        self.steps_per_epoch = len(self.train) // accum
+        self.sized = is_sized(self.train)  # a stream (no len()) ends its epochs when it ends
+        self.steps_per_epoch = len(self.train) // accum if self.sized else None
         periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p is not None]
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
@@ -183,7 +184,9 @@ class _Run:
         # several processes: every cut is read before the next segment starts, so that what
         # the epoch's end does across processes (checkpoint barriers) happens at the same point
         self.lockstep = dist is not None and dist.multi_process
-        self.k = nitro.settings.steps_per_dispatch
+        self.k, self.probe = nitro.settings.steps_per_dispatch, None
+        if self.k == "auto":
+            self.k, self.probe = self._auto_k(dist)
         self.dispatcher, self.transfer, self.columns = self._dispatcher(dist)
         read_every, max_pending = READ_EVERY, MAX_PENDING  # in pending entries
         if self.k > 1:
@@ -201,7 +204,27 @@ class _Run:
         if resumed is not None and resumed.step == nitro.step and not nitro.record.rows and resumed.open_row:
             self.reads.resume_open_row(resumed.open_row)
         run.open_row = self.reads.open_row
+        run.data_position = self.data_position
+        self.epoch_start = {}  # epoch -> the step before its first (a stream's position)
+        self.stream_ends = {}  # a stream's epoch ends: step -> epoch
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
+
+    def _block_program(self):
+        plan = self.nitro.plan
+        return plan.programs.train_block(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(self.nitro.opt_state))
+
+    def _auto_k(self, dist) -> tuple[int, "AutoProbe | None"]:
+        """``steps_per_dispatch="auto"``: ``(k, probe)``. The ``k`` an earlier run of the same
+        programs chose (kept with the block program), else 1 and a probe that measures the step
+        time and chooses (see :class:`~jaxnitro.dispatch.AutoProbe`). A source without columns
+        (its blocks would be stacked on the host) or a sharded run: 1, no probe."""
+        if dist is not None or not callable(getattr(unwrap(self.train), "columns", None)):
+            return 1, None
+        chosen = self._block_program().meta.get("auto_k")
+        if chosen is not None:
+            return chosen, None
+        probe = AutoProbe(self.nitro.step)
+        return 1, (probe if probe.last <= self.book.total else None)
 
     def _dispatcher(self, dist):
         """The :class:`Dispatcher`, the train split's transfer and its columns (or None)."""
@@ -209,7 +232,7 @@ class _Run:
         progs, plan = nitro.plan.programs, nitro.plan
         o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.step_prog = progs.train_step(plan.opt_spec, plan.tx, o_def)
-        self.block_prog = progs.train_block(plan.opt_spec, plan.tx, o_def) if k > 1 else None
+        self.block_prog = self._block_program() if k > 1 else None
         scale = jax.device_put(np.float32(1.0 / accum))
         if dist is not None:
             scale = dist.replicate(scale)
@@ -217,19 +240,24 @@ class _Run:
                 self.scheds.vector = dist.replicate(self.scheds.vector)
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
         extra, columns = {}, None
-        if k > 1:  # batches stay on the host until a block of k * accum is stacked and sent at once
+        if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
+            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(nitro, TRAIN_HOOKS), 1, accum, keyed_run, False)
+            if columns is None:
+                self.probe = None
+        if k > 1 or self.probe is not None:  # batches stay on the host until a block of k * accum is sent at once
             fields = _device_fields(nitro, TRAIN_HOOKS)
             transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
             if keyed_run:
                 extra = {KEY_DATA: nitro.state.rng}
-            columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
+            if columns is None:
+                columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
         else:
             transfer = make_transfer(nitro, TRAIN_HOOKS)
         if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
             transfer = width_checked(transfer, plan.width)
         if keyed_run:
             counter = itertools.count(nitro.step * accum)
-            transfer = keyed(transfer, nitro.state.rng, counter) if k == 1 else counted(transfer, counter)
+            transfer = keyed(transfer, nitro.state.rng, counter) if not extra else counted(transfer, counter)
         dispatcher = Dispatcher(
             k=k, accum=accum, step_fn=self.step_prog.jitted,
             accumulate=progs.accumulate().jitted if accum > 1 else None,
@@ -260,8 +288,8 @@ class _Run:
         cuts, by :meth:`stop`."""
         with deferring() as stop:
             nitro, book = self.nitro, self.book
+            epoch, into = self.start_position()
             while nitro.step < book.total:
-                epoch, into = book.position(nitro.step)
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
@@ -273,7 +301,49 @@ class _Run:
                 if outcome is Outcome.EARLY:
                     nitro.record.stop_reason = self.run_ctx.stop_reason
                     return "done"
+                epoch, into = epoch + 1, 0
             return "done"
+
+    def start_position(self) -> tuple[int, int]:
+        """``(epoch, steps into it)`` where this ``train()`` starts: from the step for a
+        source with ``len()``; for a stream, from the resumed checkpoint's data position (its
+        first batches are then read again and dropped, with a warning), else the next epoch."""
+        nitro = self.nitro
+        if self.sized:
+            return self.book.position(nitro.step)
+        resumed = nitro.plan.resumed
+        position = (nitro.plan.weights_meta or {}).get("data_position") if resumed is not None else None
+        if resumed is None or resumed.step != nitro.step or not position:
+            return nitro.epoch + 1, 0
+        epoch, batches = int(position["epoch"]), int(position.get("batches_into_epoch", 0))
+        if (nitro.plan.weights_meta or {}).get("epoch_complete"):
+            return epoch + 1, 0
+        if batches:
+            warnings.warn(
+                f"jaxnitro: the `train` split is a stream without batch_at/begin_epoch, so resuming at "
+                f"step {nitro.step} reads epoch {epoch} from its start again and drops its first "
+                f"{batches} batches before training goes on (the time of reading them, no training). "
+                f"An index-addressable source (batch_at/begin_epoch) starts there at once.",
+                UserWarning, stacklevel=4,
+            )
+        return epoch, batches // self.accum
+
+    def data_position(self, step: int) -> dict:
+        """Where the data is after ``step``: ``{"epoch", "steps_into_epoch", "batches_into_epoch",
+        "epoch_complete"}`` (what a checkpoint records; the epoch is the one ``step`` belongs to)."""
+        if self.sized:
+            spe = self.steps_per_epoch
+            complete = step % spe == 0
+            epoch = step // spe if complete else step // spe + 1
+            into = 0 if complete else step % spe
+        elif step in self.stream_ends:  # a stream's epoch ended at this step
+            epoch, into, complete = self.stream_ends[step], 0, True
+        else:
+            epoch = max((e for e, first in self.epoch_start.items() if first < step), default=self.nitro.epoch)
+            into = step - self.epoch_start.get(epoch, step)
+            complete = False
+        return {"epoch": epoch, "steps_into_epoch": into, "batches_into_epoch": into * self.accum,
+                "epoch_complete": complete}
 
     def train_epoch(self, epoch: int, into: int, stop) -> Outcome:
         """Dispatch ``epoch`` from its step ``into`` (0, or a resumed run's position) to its
@@ -281,6 +351,7 @@ class _Run:
         completed step is published whatever happens."""
         nitro, book, dispatcher, reads = self.nitro, self.book, self.dispatcher, self.reads
         step, last = nitro.step, book.epoch_last(epoch)
+        self.epoch_start[epoch] = step - into
         leaves = nitro.state.leaves()
         dispatcher.wait, t_epoch = 0.0, time.perf_counter()
         outcome = Outcome.COMPLETE
@@ -288,23 +359,61 @@ class _Run:
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 cut = book.next_cut(step, last)
+                if self.probe is not None:
+                    cut = min(cut, self.probe.next_mark(step))
                 dispatcher.annotate = self.run_ctx.step_annotation  # None unless a plugin is profiling
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )
                 self.publish(leaves, step)
-                if outcome is Outcome.COMPLETE and step < last:  # a cut inside the epoch
-                    outcome = self.at_cut(epoch, step, False, stop)
-            if outcome is Outcome.COMPLETE and step == epoch * self.steps_per_epoch:
+                if outcome is Outcome.COMPLETE and self.probe is not None and self.probe.due(step):
+                    outcome = self._probe_at(step, reader)
+                if outcome is Outcome.COMPLETE and step < last and cut == book.next_cut(cut - 1, last):
+                    outcome = self.at_cut(epoch, step, False, stop)  # a cut inside the epoch
+            epoch_done = outcome is Outcome.EXHAUSTED or (self.sized and step == epoch * self.steps_per_epoch)
+            if outcome is Outcome.COMPLETE and epoch_done:
                 reader.drain()
         finally:
             reader.close()
             self.publish(leaves, step)
+        if outcome is Outcome.EXHAUSTED:  # a stream ended: its epoch is over
+            self.stream_ends[step] = epoch
+            if into == 0 and step == self.epoch_start[epoch]:
+                raise ValueError(
+                    f"jaxnitro: the `train` split (a stream without len()) yielded no batch in epoch "
+                    f"{epoch}: an epoch is one pass over it, so it must be an iterable that can be read "
+                    f"again (a grain IterDataset, a DataLoader, a class whose __iter__ starts a new "
+                    f"pass), not a one-shot generator."
+                )
+            outcome = Outcome.COMPLETE
         if outcome is not Outcome.COMPLETE:
             return outcome  # no row for a partial epoch; its steps are still read and logged
         elapsed = time.perf_counter() - t_epoch
         stats = {"data_wait_frac": dispatcher.wait / elapsed if elapsed else 0.0}
-        return self.at_cut(epoch, step, step == epoch * self.steps_per_epoch, stop, stats)
+        return self.at_cut(epoch, step, epoch_done, stop, stats)
+
+    def _probe_at(self, step: int, reader) -> Outcome:
+        """``steps_per_dispatch="auto"``: a probe mark. Every step so far is read (the device
+        drained), the time noted; at the last mark ``k`` is chosen, kept with the block program
+        (later runs of the same programs start with it), and the rest of the run dispatched
+        ``k`` steps at a time."""
+        if self.reads.read(wait=True):
+            return Outcome.DIVERGED
+        probe = self.probe
+        k = probe.mark(step)
+        if k is None:
+            return Outcome.COMPLETE
+        self.probe = None
+        self.block_prog = self._block_program()
+        self.block_prog.meta["auto_k"] = k
+        if k > 1:
+            self.k = k
+            self.columns.k = k
+            reader.size = k * self.accum
+            self.dispatcher.use_blocks(k, self.block_prog.jitted)
+            self.reads.read_every, self.reads.max_pending = max(1, READ_EVERY // k), max(2, MAX_PENDING // k)
+        log.debug("steps_per_dispatch chosen", k=k, step_ms=round(probe.seconds * 1e3, 4))
+        return Outcome.COMPLETE
 
     def at_cut(self, epoch: int, step: int, epoch_done: bool, stop, stats=None) -> Outcome:
         """What is due after ``step``: the epoch's end (``jaxnitro_epoch_trained``), a row's
@@ -403,7 +512,7 @@ class _Run:
         source = unwrap(self.train)
         if not is_addressable(source):
             return None
-        first = (epoch - 1) * self.steps_per_epoch + 1
+        first = self.epoch_start.get(epoch, 0) + 1
         batch_at, begin_epoch = accessors(source)
         begin_epoch(epoch)
         routes = self.nitro.plan.routes

@@ -390,7 +390,8 @@ def _display(reporter, run):
     """The run's bar: in steps for a step-budgeted run, in epochs otherwise."""
     s = run.settings
     if s.max_steps is not None:
-        total = s.max_steps if s.max_epochs is None else min(s.max_steps, s.max_epochs * run.steps_per_epoch)
+        spe = run.steps_per_epoch
+        total = s.max_steps if s.max_epochs is None or spe is None else min(s.max_steps, s.max_epochs * spe)
         return _StepDisplay(reporter, total, run, run.monitor)
     return _RunDisplay(reporter, s.max_epochs, run.steps_per_epoch, run.monitor)
 

@@ -111,8 +111,11 @@ def _horizon(nitro):
     train = nitro.data.get("train")
     if train is None:
         return None, None
-    per_epoch = len(train) // nitro.settings.accum
     s = nitro.settings
+    try:
+        per_epoch = len(train) // s.accum
+    except TypeError:  # a stream: max_steps alone bounds the run
+        return None, s.max_steps
     bounds = [b for b in (s.max_steps, per_epoch * s.max_epochs if s.max_epochs is not None else None) if b is not None]
     return per_epoch, min(bounds)
 
@@ -123,6 +126,8 @@ def _horizon_text(nitro) -> str:
     per_epoch, total = _horizon(nitro)
     if total is None:
         return "no train split"
+    if per_epoch is None:
+        return f"{total:,} optimizer steps (max_steps; a stream without len())"
     if s.max_steps is not None and total == s.max_steps:
         return f"{total:,} optimizer steps (max_steps; {total / per_epoch:.3g} epochs of {per_epoch})"
     return f"{total} optimizer steps ({s.max_epochs} epochs x {per_epoch})"
@@ -221,7 +226,9 @@ def _bindings_band(nitro) -> Band:
     for name in ("accum", "steps_per_dispatch", "max_epochs", "max_steps", "val_every_n_steps", "max_time", "seed",
                  "log_every_n_steps", "check_divergence"):
         value = getattr(s, name)
-        if name == "steps_per_dispatch" and value > 1:
+        if name == "steps_per_dispatch" and value == "auto":
+            value = "auto (k from the measured step time; one dispatch <= 0.1 s)"
+        elif name == "steps_per_dispatch" and value > 1:
             value = f"{value} ({_dispatches(nitro, value)})"
         if value is None and name in ("max_epochs", "max_steps", "val_every_n_steps", "max_time"):
             continue  # a budget or an event that is not set: nothing to show

@@ -283,3 +283,119 @@ def test_a_plugin_sees_the_steps_it_asked_for(tmp_path):
     finally:
         plugin_manager().unregister(name="marks")
     assert seen == [(3, 1, 3), (7, 2, 7)]  # the state there is that step's (blocks cut to reach it)
+
+
+# -- streams without len() ---------------------------------------------------------------------
+
+
+class _Stream:
+    """Tiny's train batches as a stream: iterable again for every epoch, no len(), no batch_at."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _stream_data():
+    d = tiny_data()
+    return {"train": _Stream(d["train"]), "val": d["val"]}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_stream_trains_by_steps_like_the_same_batches_with_len(tmp_path, k):
+    kw = dict(run_dir=tmp_path, max_steps=15, max_epochs=None, logger=None, steps_per_dispatch=k)
+    sized = jn.train(Tiny(), **kw)  # 6 batches an epoch
+    streamed = jn.train(Tiny(), data=_stream_data(), **kw)
+    assert streamed.step == sized.step == 15
+    assert_same_state(streamed, sized)
+    assert [(r["epoch"], r["step"]) for r in streamed.rows] == [(1, 6), (2, 12), (3, 15)]
+    assert streamed.rows == sized.rows
+
+
+def test_a_stream_without_max_steps_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"stream without len\(\).*max_steps=N"):
+        jn.Nitro(Tiny(), data=_stream_data(), run_dir=tmp_path, logger=None)
+
+
+def test_a_one_shot_generator_is_refused_and_an_empty_epoch_too(tmp_path):
+    d = tiny_data()
+    with pytest.raises(TypeError, match=r"an iterator is read once"):
+        jn.train(Tiny(), data={"train": (b for b in d["train"])}, run_dir=tmp_path, max_steps=20, logger=None)
+
+    class Once:  # iterable, but its second pass is empty
+        def __init__(self):
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            return iter(d["train"] if self.passes <= 2 else [])  # setup reads the first pass
+
+    with pytest.raises(ValueError, match=r"yielded no batch in epoch \d.*read\s+again"):
+        jn.train(Tiny(), data={"train": Once()}, run_dir=tmp_path, max_steps=20, logger=None)
+
+
+def test_a_stream_resumes_mid_epoch_by_reading_again_with_a_warning(tmp_path):
+    ckpt = jn.Checkpointer(keep=jn.Last(1), asynchronous=False)
+    kw = dict(max_steps=15, max_epochs=None, checkpointer=ckpt, logger=None)
+    straight = jn.train(Tiny(), data=_stream_data(), run_dir=tmp_path / "a", **kw)
+    stopping = _stream_data()
+    stopping["train"] = _PreemptingStream(stopping["train"].batches, at=9)
+    with pytest.raises(jn.Preempted):
+        jn.train(Tiny(), data=stopping, run_dir=tmp_path / "b", **kw)
+    resumed = jn.Nitro(Tiny(), data=_stream_data(), run_dir=tmp_path / "b", resume="auto", **kw)
+    assert 6 < resumed.step < 12
+    with pytest.warns(UserWarning, match=r"reads epoch 2 from its start again and drops its first \d+ batches"):
+        resumed.train()
+    assert_same_state(resumed, straight)
+    assert resumed.rows == straight.rows[-len(resumed.rows):]
+
+
+class _PreemptingStream(_Stream):
+    """A stream that requests a preemption when its ``at``-th batch overall is read."""
+
+    def __init__(self, batches, at):
+        super().__init__(batches)
+        self.at, self.read = at, 0
+
+    def __iter__(self):
+        from jaxnitro.interrupts import request
+
+        for b in self.batches:
+            self.read += 1
+            if self.read == self.at:
+                request.status = "preempted"
+            yield b
+
+
+# -- steps_per_dispatch="auto" -----------------------------------------------------------------
+
+
+def test_auto_chooses_k_from_the_step_time():
+    from jaxnitro.dispatch import DISPATCH_BOUND, choose_k
+
+    assert choose_k(0.0005) == 64  # 64 steps in 32 ms
+    assert choose_k(0.004) == 16  # 16 x 4 ms = 64 ms <= 100 ms; 32 would take 128
+    assert choose_k(0.03) == 1  # 2 steps fit: not worth a block program
+    assert choose_k(DISPATCH_BOUND) == 1
+
+
+def test_auto_is_bitwise_equal_to_one_step_a_dispatch_and_keeps_its_choice(tmp_path):
+    from long_run_child import data
+
+    kw = dict(run_dir=tmp_path, max_steps=150, max_epochs=None, val_every_n_steps=50, logger=None)
+    ref = jn.train(LongRun(), data=data(), steps_per_dispatch=1, **kw)
+    auto = jn.train(LongRun(), data=data(), steps_per_dispatch="auto", **kw)
+    assert_same_state(auto, ref)
+    assert auto.rows == ref.rows
+    plan = auto.plan
+    chosen = plan.programs.train_block(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(auto.opt_state)).meta["auto_k"]
+    assert isinstance(chosen, int) and chosen >= 1
+    again = jn.train(LongRun(), data=data(), steps_per_dispatch="auto", **kw)  # starts at the kept k
+    assert_same_state(again, ref)
+
+
+def test_a_bad_steps_per_dispatch_names_auto(tmp_path):
+    with pytest.raises(ValueError, match=r'steps_per_dispatch.*or "auto"'):
+        jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch="fast", logger=None)

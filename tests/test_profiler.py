@@ -216,3 +216,27 @@ def test_a_trace_already_running_is_named_when_the_window_starts(tmp_path):
         assert n.status == "failed" and n.step == 2
     finally:
         jax.profiler.stop_trace()
+
+
+class _Stream:
+    """Tiny's train batches as a stream: iterable again for every epoch, no len()."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_a_stream_bounded_by_max_steps_is_profiled_and_its_end_checked(tmp_path):
+    data = {"train": _Stream(DATA["train"]), "val": DATA["val"]}
+    kw = dict(data=data, run_dir=tmp_path, logger=None, max_steps=10, max_epochs=None)
+    with pytest.raises(ValueError, match=r"traces steps 9\.\.13, but the run ends at step 10 .* `profile=\(6, 5\)`"):
+        jn.Nitro(Tiny(), profile=(9, 5), **kw)
+    n = jn.train(Tiny(), profile=(6, 3), **kw)  # across the first pass's end (step 6)
+    events = trace_events(n.run_dir)
+    # step 7 is tried first in the pass that ends (a short span: reading finds the stream's end),
+    # then dispatched in the next pass
+    assert n.step == 10 and annotated_steps(events) == [6, 7, 7, 8]
+    calls, outside = dispatches_outside_annotations(events, "train_step")
+    assert calls > 0 and outside == 0

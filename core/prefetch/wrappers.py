@@ -85,17 +85,29 @@ class _Wrapper:
         source = adapted(source)  # a foreign loader (torch, grain) through its plugin's adapter
         if isinstance(source, _Wrapper):  # an adapter that wraps: these settings win
             source = source.source
+        self.addressable = is_addressable(source)
         try:
             len(source)
+            self.sized = True
         except TypeError:
-            raise TypeError(
-                f"a data source must have len() (the number of batches per epoch); "
-                f"{describe(source)} has none{len_hint}"
-            ) from None
+            one_shot = hasattr(type(source), "__next__")  # an iterator or generator: one pass only
+            if self.addressable or one_shot:  # batch_at(i) is defined for 0 <= i < len(source)
+                raise TypeError(
+                    f"a data source must have len() (the number of batches per epoch); "
+                    f"{describe(source)} has none{len_hint}"
+                    + (" (an iterator is read once: a stream without len() must be an iterable "
+                       "whose __iter__ starts a new pass each epoch)" if one_shot else "")
+                ) from None
+            self.sized = False  # a stream: an epoch ends when its iterator does
         self.source = source
-        self.addressable = is_addressable(source)
 
     def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError(
+                f"{describe(self.source)} is a stream without len(): its batches per epoch are "
+                f"known only when it ends. It can be the train split of a run bounded by "
+                f"max_steps; give it __len__ (or batch_at/begin_epoch) for anything else"
+            )
         return len(self.source)
 
     def __iter__(self) -> Iterator:
@@ -386,7 +398,7 @@ class PrefetchIterator(_Wrapper):
     def __repr__(self) -> str:
         i = self.info()
         return (
-            f"PrefetchIterator({describe(self.source)}, {len(self)} batches, {i['path']}, "
+            f"PrefetchIterator({describe(self.source)}, {len(self) if self.sized else 'a stream of'} batches, {i['path']}, "
             f"device_batches={i['device_batches']}, host_batches={i['host_batches']}, "
             f"ordered={i['ordered']})"
         )
@@ -413,7 +425,7 @@ class NoPrefetch(_Wrapper):
         return "none (NoPrefetch)"
 
     def __repr__(self) -> str:
-        return f"NoPrefetch({describe(self.source)}, {len(self)} batches)"
+        return f"NoPrefetch({describe(self.source)}, {len(self) if self.sized else 'a stream of'} batches)"
 
 
 def _note_of(source: Any) -> str:
