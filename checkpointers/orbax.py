@@ -9,8 +9,12 @@ Entry point ``orbax``. It
   ``<run folder>/checkpoints/<step>`` with an orbax ``CheckpointManager``, keeping the
   union of the ``keep`` policies, written by a worker thread paced by ``min_interval``; at
   an interrupted, preempted or diverged end it saves the state the run ended with, which
-  never displaces an epoch-end checkpoint; a run's end (``jaxnitro_run_finish``) writes
-  what is held and waits for every save;
+  never displaces an epoch-end checkpoint; a run's end (``jaxnitro_run_ending``: before any
+  plugin's ``jaxnitro_run_finish``) writes what is held and waits for every save;
+* fails the run when a save fails (a full disk): the error is raised on the loop's thread at
+  the next epoch's end or step boundary after the worker thread met it, or at the run's end,
+  whose status then is ``"failed"`` (the loggers' finish says so), naming the folder, the
+  error and the checkpoints still on disk; a save never recreates a deleted run folder;
 * answers ``jaxnitro_load_weights``: finds the checkpoint(s) a ``weights=`` / ``resume=``
   spec names and describes them as a :class:`jaxnitro.weights.WeightsRecord`.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import math
 import os
@@ -42,12 +47,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxnitro
-from jaxnitro.experiment import fields_of
-from jaxnitro.history import best_positions
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.knobs import require_monitor_and_val
-from jaxnitro.optim import ema_of, rule_state_of
-from jaxnitro.weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
+from jaxnitro.plugin import (
+    NoCheckpointError,
+    WeightsRecord,
+    best_positions,
+    ema_of,
+    fields_of,
+    from_jsonable,
+    hookimpl,
+    incompatibility,
+    jsonable,
+    owns_knob,
+    require_monitor_and_val,
+    rule_state_of,
+    tree_listing,
+)
 
 __all__ = ["Checkpointer", "Best", "Last", "Average", "FORMAT"]
 
@@ -237,24 +251,28 @@ def jaxnitro_accept_knob(name, value, nitro):
     return True
 
 
-_SAVERS: dict[int, "_Saver"] = {}
-
-
 def _saver(run):
-    return _SAVERS.get(id(run))
+    """The run's saver (in the run's store: it lives as long as the run), or None."""
+    return run.store(__name__).get("saver")
+
+
+def _mine(run):
+    """The run's ``checkpointer`` value when this plugin accepted it (so applies it), else None."""
+    ckpt = run.settings.checkpointer
+    return ckpt if isinstance(ckpt, Checkpointer) and owns_knob(run, "checkpointer", __name__) else None
 
 
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
-    ckpt = run.settings.checkpointer
-    if isinstance(ckpt, Checkpointer):
-        _SAVERS[id(run)] = _Saver(run, ckpt)
+    ckpt = _mine(run)
+    if ckpt is not None:
+        run.store(__name__)["saver"] = _Saver(run, ckpt)
 
 
 @hookimpl(trylast=True)
 def jaxnitro_step_period(run):
-    ckpt = run.settings.checkpointer
-    return ckpt.every_n_steps if isinstance(ckpt, Checkpointer) else None
+    ckpt = _mine(run)
+    return ckpt.every_n_steps if ckpt is not None else None
 
 
 @hookimpl(trylast=True)
@@ -278,9 +296,9 @@ def jaxnitro_epoch_end(run, row):
         saver.epoch_end(row)
 
 
-@hookimpl(trylast=True)
-def jaxnitro_run_finish(run, status):
-    saver = _SAVERS.pop(id(run), None)
+@hookimpl(trylast=True)  # before any run_finish: a save failing at the run's end fails the run
+def jaxnitro_run_ending(run, status):
+    saver = run.store(__name__).pop("saver", None)
     if saver is not None:
         saver.finish(status)
 
@@ -462,6 +480,7 @@ class _Saver:
         self.validated = "val" in nitro.data
         self.monitor = run.monitor
         self.dir = os.path.join(os.path.abspath(run.run_dir), CHECKPOINTS)
+        self.folder_id = _identity(run.run_dir)  # a save never recreates a deleted run folder
         ocp = _ocp()
         exists, dist = os.path.isdir(self.dir), nitro.plan.dist
         if dist is not None and dist.multi_process:  # every process takes the same orbax path
@@ -486,6 +505,7 @@ class _Saver:
         self.finishing = False  # the run's end: write what is queued without waiting
         self.next_burst = 0.0  # time.monotonic() before which the worker does not start writing
         self.error: BaseException | None = None  # the first failed save, raised on the loop's thread
+        self.error_step: int | None = None  # its step
         self.on_disk = {s: known.get(s) for s in self.saved}  # orbax's list: step -> its metrics
         self.coalesce = not getattr(nitro.plan.dist, "multi_process", False)  # see _prune
         self.written = self.dropped = 0
@@ -503,16 +523,17 @@ class _Saver:
     def step_boundary(self, step: int) -> None:
         """``every_n_steps``: save the state after ``step`` when it is a multiple of N (its
         row's metrics go with it when a row closed there)."""
+        self.raise_failed()  # at every step boundary: a failed save stops the run at the first one after it
         n = self.ckpt.every_n_steps
         if n is None or step % n:
             return
-        self.raise_failed()
         nitro = self.run.nitro
         rows = nitro.rows
         row = rows[-1] if rows and rows[-1].get("step") == step else None
         self.submit(_copy(nitro.state), row, end=None)
 
     def epoch_trained(self, epoch: int, step: int) -> None:
+        self.raise_failed()  # every epoch's end, validated or not: a failed save stops the run there
         if not self.validated and self.due(epoch):
             self.snapshots[epoch] = _copy(self.run.nitro.state)
 
@@ -530,9 +551,14 @@ class _Saver:
             nitro = self.run.nitro
             state, rows = nitro.state, nitro.rows
             row = rows[-1] if rows and rows[-1].get("step") == state.step else None
+            # this runs before the loggers finish: what they logged up to the step goes out first
             if status == "done" and row is not None and math.isfinite(row.get("train_loss", 0.0)):
+                if int(state.step) not in self.saved:
+                    _flush_loggers(self.run)
                 self.submit(state, row, end=None)  # the last epoch, when `every` skipped it
             elif status in ("interrupted", "preempted", "diverged") and state.step > self.start_step:
+                if int(state.step) not in self.saved:
+                    _flush_loggers(self.run)
                 self.submit(state, row if status != "diverged" else None, end=status)
         finally:
             self.snapshots.clear()
@@ -548,11 +574,26 @@ class _Saver:
                 self.mgr.close()
 
     def raise_failed(self) -> None:
-        """Re-raise the first failed save (a full disk, a permission error), naming the folder."""
+        """Re-raise the first failed save (a full disk, a permission error, a deleted run
+        folder) on the loop's thread, naming the folder, the step, the error and the
+        checkpoints still on disk; the run then ends ``"failed"``."""
         with self.lock:
-            err, self.error = self.error, None
-        if err is not None:
-            raise RuntimeError(f"jaxnitro: saving a checkpoint under {self.dir} failed: {err!r}") from err
+            err, step, self.error = self.error, self.error_step, None
+            on_disk = sorted(self.on_disk)
+        if err is None:
+            return
+        which = f"of step {step} " if step is not None else ""
+        if on_disk:
+            kept = (f"the checkpoints on disk are steps {on_disk} (the newest: {os.path.join(self.dir, str(on_disk[-1]))}; "
+                    f"resume='auto' continues from it once the cause is fixed)")
+        else:
+            kept = "no checkpoint of this run is on disk (nothing to resume from)"
+        fix = ("Keep the run folder while a run writes it; train again into a new one." if isinstance(err, _FolderGone)
+               else "Free disk space (or fix the folder's permissions) and train again.")
+        raise RuntimeError(
+            f"jaxnitro: saving the checkpoint {which}under {self.dir} failed: {type(err).__name__}: {err}. "
+            f"The run stops as 'failed'; {kept}. {fix}"
+        ) from err
 
     def submit(self, state, row, end) -> None:
         """Queue one checkpoint of ``state`` (a snapshot nobody donates) for the worker thread.
@@ -655,7 +696,8 @@ class _Saver:
         item.state = None  # the device copy goes now
         steps = self.mgr.all_steps()  # orbax's cached list: what it kept and deleted
         with self.lock:
-            self.error = self.error or error
+            if self.error is None and error is not None:
+                self.error, self.error_step = error, item.step
             metrics = {**self.on_disk, item.step: item.metrics}
             self.on_disk = {s: metrics.get(s) for s in steps}
             self.writing = None
@@ -683,6 +725,14 @@ class _Saver:
             if ema_of(state.opt_state) is not None:
                 tree["ema"] = ema_of(state.opt_state)
         meta["items"] = list(tree)
+        if _identity(self.run.run_dir) != self.folder_id:
+            there = "is gone" if not os.path.isdir(self.run.run_dir) else "was deleted and made again"
+            raise _FolderGone(
+                errno.ENOENT,
+                f"the run folder {there} (deleted while the run was writing it); the checkpoint is not "
+                f"written, so that a checkpoint never reappears without the rest of its run folder",
+                self.run.run_dir,
+            )
         # one pytree item (each orbax item has a fixed cost of ~20 ms CPU) and the JSON record
         args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
         self.mgr.save(item.step, args=args, metrics=item.metrics, force=True)
@@ -735,6 +785,31 @@ class _Saver:
             return [] if end != "diverged" else None
         open_row = self.run.open_row
         return open_row(step) if callable(open_row) else None
+
+
+class _FolderGone(FileNotFoundError):
+    """A save refused because the run folder was deleted while the run wrote it."""
+
+
+def _identity(folder):
+    """``(device, inode)`` of ``folder``, or None when it does not exist."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _flush_loggers(run) -> None:
+    """Push the run's loggers' buffered lines out (their optional ``flush`` verb); a logger that
+    fails here has already been reported, or will be at its ``finish``."""
+    for logger in getattr(run, "loggers", None) or ():
+        flush = getattr(logger, "flush", None)
+        if callable(flush):
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 - never in the way of the run's last checkpoint
+                pass
 
 
 def _epoch_position(run, step: int) -> dict:

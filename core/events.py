@@ -1,7 +1,8 @@
 """The run's door to the plugins: lifecycle events and the objects they carry.
 
 The loop, evaluation and the handle call :func:`emit` (one lifecycle hook,
-every plugin) and :func:`emit_finish` (every plugin, even if one fails). A
+every plugin) and :func:`emit_finish` (every plugin, even if one fails), both
+through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work. A
 :class:`RunContext` is what a plugin sees of a run; a :class:`StepStretch`
 is one stretch of read optimizer steps.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from .hookcalls import call
 from .plugin_manager import plugin_manager
 
 __all__ = ["RunContext", "StepStretch", "emit", "emit_finish", "run_scoped"]
@@ -42,6 +44,8 @@ class RunContext:
       ``step`` (``epoch``, ``steps_into_epoch``, ``batches_into_epoch``, ``epoch_complete``).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
+    - ``error``: the exception that failed the run (set by the loop, or by
+      :func:`emit_finish` when a plugin fails to finish a run that was ``"done"``), else None.
     - ``step_annotation``: None, or set by a plugin (the profiler): a callable ``step ->
       context manager`` that the loop enters around each dispatch of the segments it starts
       from then on (``step`` is the dispatch's first optimizer step), e.g.
@@ -55,12 +59,21 @@ class RunContext:
     open_row: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
+    error: BaseException | None = None
     data_position: object = None
     start_step: int = field(init=False, default=0)
+    _stores: dict = field(init=False, default_factory=dict, repr=False)
     step_annotation: object = None
 
     def __post_init__(self):
         self.start_step = int(getattr(self.nitro, "step", 0) or 0)
+
+    def store(self, key: str) -> dict:
+        """This run's dict for the plugin state filed under ``key`` (by convention the plugin's
+        module name, ``__name__``): the same dict at every hook of the run, gone with the run.
+        It replaces module globals keyed by ``id(run)``, which outlive a run that fails
+        before its finish and can be reused by a later run's id."""
+        return self._stores.setdefault(str(key), {})
 
     @property
     def resumed_step(self) -> int | None:
@@ -153,24 +166,35 @@ def emit(hook: str, **kwargs) -> None:
 
 
 def emit_finish(run: RunContext, status: str) -> None:
-    """``jaxnitro_run_finish`` on every plugin, each called even if another raised.
+    """``jaxnitro_run_ending``, then ``jaxnitro_run_finish``, on every plugin, through pluggy,
+    each implementation called even if another raised.
 
-    With status ``"done"`` the first error is raised after all were called; with
-    any other status the run already has its own outcome (or exception), so
-    errors are reported as warnings and never hide it.
+    Guarded calls (:func:`jaxnitro.hookcalls.call`): pluggy's order, ``tryfirst``/``trylast``
+    and wrappers as for any hook, and an implementation that raises is noted and skipped, so
+    the next one still runs (a ``wrapper=True`` implementation sees the call end normally).
+
+    ``jaxnitro_run_ending`` is where a plugin's last work that can fail is done (the
+    checkpointer's final saves). With status ``"done"`` an error there fails the run:
+    ``jaxnitro_run_finish`` then gets status ``"failed"`` (so the loggers' finish line says
+    so) and ``run.error`` is that error. The first error of either call is raised after all
+    were called when the run was ``"done"``; with any other status the run already has its
+    own outcome (or exception), so errors are reported as warnings and never hide it.
     """
-    errors = []
-    given = {"run": run, "status": status}
-    for impl in reversed(plugin_manager().hook.jaxnitro_run_finish.get_hookimpls()):
-        try:
-            impl.function(*(given[a] for a in impl.argnames))
-        except Exception as err:  # noqa: BLE001 - every plugin gets to finish
-            errors.append((impl.plugin_name, err))
-    for name, err in errors:
-        if status == "done":
-            raise err
-        log.warning("plugin failed to finish the run", plugin=name, status=status, error=repr(err))
-        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({status}): {err!r}", RuntimeWarning)
+    pm = plugin_manager()
+    _, ending = call(pm, "jaxnitro_run_ending", {"run": run, "status": status}, guard=True)
+    errors = list(ending.errors)
+    final = status
+    if status == "done" and errors:
+        final, run.error = "failed", errors[0][1]
+    _, finish = call(pm, "jaxnitro_run_finish", {"run": run, "status": final}, guard=True)
+    errors += finish.errors
+    for i, (name, err) in enumerate(errors):
+        if status == "done" and i == 0:
+            continue  # raised below, once every other error is reported
+        log.warning("plugin failed to finish the run", plugin=name, status=final, error=repr(err))
+        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({final}): {err!r}", RuntimeWarning)
+    if status == "done" and errors:
+        raise errors[0][1]
 
 
 class run_scoped:

@@ -27,6 +27,7 @@ from .interrupts import Preempted, stop_signals
 from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
 from .knobs import Settings
+from .hookcalls import recording
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
 from .setup import build
@@ -67,7 +68,7 @@ class Nitro:
     """
 
     def __init__(self, experiment, **kwargs):
-        with stop_signals():
+        with stop_signals(), recording(self):  # which plugin answered each extension hook
             self._setup(experiment, kwargs)
         if kwargs.get("run_ref") is not None:
             kwargs["run_ref"][:] = [self]
@@ -151,7 +152,8 @@ class Nitro:
                 f"build a new one for a new training job: `jn.Nitro(e, data=n.data, ...)` reuses the "
                 f"data and compiles nothing."
             )
-        run_training(self)
+        with recording(self):
+            run_training(self)
         return self
 
     def validate(self) -> dict:

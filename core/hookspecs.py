@@ -14,7 +14,8 @@ fields (pluggy ignores keyword-only parameters when it validates).
 
 An experiment's own method may name its positional parameters freely
 (``def loss(self, logits, *, label)``): they are passed by position and only
-their count must match the spec (checked at setup, naming the hook). A
+their count must match the spec (checked at setup, naming the hook). The
+annotations are the contract's types (``batch`` stands for keyword-only fields). A
 plugin module's implementation is validated by pluggy and uses the spec's
 names, ``self`` first: every implementation is called with the experiment as
 its first argument, the real experiment in host-side hooks and its compile
@@ -39,7 +40,23 @@ own; their names start with ``jaxnitro_``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, Literal
+
 import pluggy
+
+if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
+    from pathlib import Path
+
+    import jax
+
+    from .contracts import IndexedSource, Logger, Reporter, Source
+    from .distributed import Dist
+    from .events import RunContext, StepStretch
+    from .handle import Nitro
+    from .history import MetricHistory
+    from .manual import Optimizers
+    from .weights import WeightsRecord
 
 PROJECT = "jaxnitro"
 
@@ -54,7 +71,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # -- data and model ---------------------------------------------------
 
 @hookspec(firstresult=True)
-def build_data(self, dist):
+def build_data(self, dist: Dist | None) -> dict[str, Any]:
     """Return the splits: ``{"train": source, "val": source, "test": ...}``.
 
     Runs on the host against the real experiment (Host fields readable).
@@ -66,7 +83,7 @@ def build_data(self, dist):
     """
 
 @hookspec(firstresult=True)
-def derive(self, data):
+def derive(self, data: dict[str, Any]) -> dict[str, Any]:
     """Return ``{field: host value}`` computed from the data.
 
     Runs after ``build_data`` and before Device fields are converted; the
@@ -75,7 +92,7 @@ def derive(self, data):
     """
 
 @hookspec(firstresult=True)
-def build_model(self, key):
+def build_model(self, key: jax.Array) -> Any:
     """Return an Equinox model, or ``(model, state)`` from ``eqx.nn.make_with_state``.
 
     ``key`` is a ``jax.random`` key derived from the run's ``seed``. The model may be
@@ -87,7 +104,7 @@ def build_model(self, key):
 # -- traced hooks -----------------------------------------------------
 
 @hookspec(firstresult=True)
-def forward(self, model, state, batch):
+def forward(self, model: Any, state: Any, batch: Any) -> tuple[Any, Any]:
     """Return ``(outputs, state)``. Batch fields arrive as keyword-only arguments.
 
     ``state`` is the ``eqx.nn.State`` (``None`` for a stateless model); the
@@ -96,11 +113,11 @@ def forward(self, model, state, batch):
     """
 
 @hookspec(firstresult=True)
-def loss(self, outputs, batch):
+def loss(self, outputs: Any, batch: Any) -> jax.Array:
     """Return the scalar loss of one batch (traced, differentiated)."""
 
 @hookspec(firstresult=True)
-def metrics(self, outputs, batch):
+def metrics(self, outputs: Any, batch: Any) -> dict[str, tuple[Any, Any]]:
     """Return ``{name: (value, mode)}`` for one evaluation batch.
 
     ``mode`` is a number (a count: values and counts are summed over the
@@ -109,7 +126,7 @@ def metrics(self, outputs, batch):
     """
 
 @hookspec(firstresult=True)
-def train_metrics(self, outputs, batch):
+def train_metrics(self, outputs: Any, batch: Any) -> dict[str, Any]:
     """Return ``{name: scalar}``: per-step diagnostics traced in the gradient program.
 
     With ``metrics_residency("train_metrics") == "host"`` it runs on the host instead, on
@@ -117,7 +134,7 @@ def train_metrics(self, outputs, batch):
     (every micro-batch's outputs then cross to the host; see docs/metrics.md)."""
 
 @hookspec(firstresult=True)
-def train_step(self, models, optimizers, batch):
+def train_step(self, models: Any, optimizers: Optimizers, batch: Any) -> tuple[Any, Optimizers, dict[str, Any]]:
     """Manual training: one optimizer step written by the experiment (traced).
 
     ``models`` is what ``build_model`` returned (a dict of named Equinox modules,
@@ -138,7 +155,7 @@ def train_step(self, models, optimizers, batch):
     """
 
 @hookspec(firstresult=True)
-def finalize_metrics(self, acc, split):
+def finalize_metrics(self, acc: dict[str, Any], split: str) -> dict[str, Any]:
     """Host-side: turn the reduced split metrics ``acc`` into what is reported.
 
     Counted keys arrive divided, ``"sum"`` keys as raw totals. The return
@@ -146,7 +163,7 @@ def finalize_metrics(self, acc, split):
     """
 
 @hookspec(firstresult=True)
-def metrics_residency(self, hook):
+def metrics_residency(self, hook: str) -> Literal["device", "host"]:
     """Return ``"device"`` or ``"host"`` for ``hook`` (``"metrics"`` or ``"train_metrics"``).
 
     Defaults: ``"device"`` for ``train_metrics``, ``"host"`` for ``metrics``.
@@ -155,7 +172,7 @@ def metrics_residency(self, hook):
 # -- optimizer --------------------------------------------------------
 
 @hookspec(firstresult=True)
-def param_group(self, keypath, leaf):
+def param_group(self, keypath: tuple[str | int, ...], leaf: Any) -> str:
     """Return the group name of the parameter at ``keypath`` (a tuple of str/int).
 
     ``leaf`` is optional: an implementation that declares a second positional parameter
@@ -170,23 +187,23 @@ def param_group(self, keypath, leaf):
     """
 
 @hookspec(firstresult=True)
-def learning_rate(self):
+def learning_rate(self) -> float:
     """Return the base learning rate (default ``1e-3``)."""
 
 @hookspec(firstresult=True)
-def learning_rate_ratio(self, group):
+def learning_rate_ratio(self, group: str) -> float:
     """Return ``group``'s rate as a ratio of the base rate (default ``1.0``)."""
 
 @hookspec(firstresult=True)
-def weight_decay(self, group):
+def weight_decay(self, group: str) -> float:
     """Return ``group``'s decoupled weight decay (default ``0.0``)."""
 
 @hookspec(firstresult=True)
-def optimizer(self, group):
+def optimizer(self, group: str) -> Callable[..., Any]:
     """Return an optax rule factory taking ``learning_rate`` (default ``optax.radam``)."""
 
 @hookspec(firstresult=True)
-def decay_anchor(self, group):
+def decay_anchor(self, group: str) -> Literal["zero", "w0"]:
     """Return where ``group``'s decoupled weight decay pulls: ``"zero"`` (default) or ``"w0"``.
 
     ``"w0"`` is L2-SP: the decay pulls toward the group's initial weights (those
@@ -196,7 +213,7 @@ def decay_anchor(self, group):
     """
 
 @hookspec(firstresult=True)
-def monitor(self):
+def monitor(self) -> tuple[str, Literal["max", "min"]] | None:
     """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
 
 
@@ -212,7 +229,7 @@ class ExtensionSpec:
     """
 
     @hookspec(firstresult=True)
-    def jaxnitro_make_logger(self, name, run_dir, experiment):
+    def jaxnitro_make_logger(self, name: str, run_dir: Path, experiment: Any) -> Logger | None:
         """Return a logger for ``name`` (e.g. ``"jsonl"``), or ``None`` if not yours.
 
         ``run_dir`` is the run's own folder (a ``pathlib.Path``, created).
@@ -223,14 +240,14 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_default_logger(self):
+    def jaxnitro_default_logger(self) -> str | None:
         """Return the name of the logger a run uses when the ``logger`` knob is not set.
 
         The core names no logger itself. With no answer, a run logs nothing.
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_adapt_source(self, source, split):
+    def jaxnitro_adapt_source(self, source: Any, split: str | None) -> Source | IndexedSource | None:
         """Return a jaxnitro source wrapping a foreign loader, or ``None`` if not yours.
 
         Asked for every split the framework wraps, and by ``PrefetchIterator`` /
@@ -240,7 +257,7 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_make_progress_reporter(self, name):
+    def jaxnitro_make_progress_reporter(self, name: str) -> Reporter | None:
         """Return a progress reporter for ``name`` (``"auto"`` = the default), or ``None``.
 
         A reporter has ``begin(total, label)``, ``update(position, label)``
@@ -249,7 +266,7 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_accept_knob(self, name, value, nitro):
+    def jaxnitro_accept_knob(self, name: str, value: Any, nitro: Nitro) -> bool | None:
         """Say whether this plugin acts on run knob ``name`` set to ``value``.
 
         Asked at setup for every run knob that the core does not act on itself
@@ -261,7 +278,7 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_render_history(self, history, format, options):
+    def jaxnitro_render_history(self, history: MetricHistory, format: str, options: dict[str, Any]) -> Any:
         """Render a :class:`jaxnitro.MetricHistory`; return ``None`` if ``format`` is not yours.
 
         ``format`` is ``"text"`` (a table for a terminal; ``options`` may hold
@@ -271,7 +288,7 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_describe(self, subject, format):
+    def jaxnitro_describe(self, subject: Any, format: str) -> str | None:
         """Describe ``subject`` (a :class:`jaxnitro.Nitro` or an experiment instance).
 
         ``format`` is ``"text"`` (``print(nitro)``, sized to the terminal),
@@ -281,7 +298,7 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_plot(self, history, options):
+    def jaxnitro_plot(self, history: MetricHistory, options: dict[str, Any]) -> Any:
         """Plot a :class:`jaxnitro.MetricHistory`; return the figure, or ``None`` if not yours.
 
         ``options`` are the keywords of ``h.plot(...)``: ``metrics`` (None, a name, a
@@ -290,7 +307,7 @@ class ExtensionSpec:
         """
 
     @hookspec
-    def jaxnitro_exports(self):
+    def jaxnitro_exports(self) -> dict[str, Any] | None:
         """Return ``{name: object}``: public names this plugin adds to the ``jaxnitro`` namespace.
 
         ``jn.EarlyStopping`` is the early-stopping plugin's export. A name the
@@ -299,7 +316,7 @@ class ExtensionSpec:
         """
 
     @hookspec(firstresult=True)
-    def jaxnitro_load_weights(self, spec, run_dir, experiment, monitor, purpose):
+    def jaxnitro_load_weights(self, spec: Any, run_dir: str, experiment: Any, monitor: tuple[str, str] | None, purpose: Literal["weights", "resume"]) -> WeightsRecord | None:
         """Find the checkpoint(s) ``spec`` names; return a :class:`jaxnitro.weights.WeightsRecord`.
 
         ``spec`` is what the handle was given: a checkpoint path, a run folder (name or
@@ -339,11 +356,11 @@ class LifecycleSpec:
     """
 
     @hookspec
-    def jaxnitro_run_start(self, run):
+    def jaxnitro_run_start(self, run: RunContext) -> None:
         """A run begins: its folder exists and its loggers are made; no step has run."""
 
     @hookspec
-    def jaxnitro_steps_read(self, run, stretch):
+    def jaxnitro_steps_read(self, run: RunContext, stretch: StepStretch) -> None:
         """A stretch of optimizer steps has been computed and read back to the host.
 
         ``stretch`` is a :class:`jaxnitro.StepStretch`: consecutive steps, each
@@ -353,7 +370,7 @@ class LifecycleSpec:
         """
 
     @hookspec
-    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+    def jaxnitro_epoch_trained(self, run: RunContext, epoch: int, step: int, stats: dict[str, float]) -> None:
         """An epoch's steps have all been dispatched (``step`` is the last one).
 
         ``stats`` holds the epoch's data-pipeline figures, e.g.
@@ -362,14 +379,14 @@ class LifecycleSpec:
         """
 
     @hookspec
-    def jaxnitro_split_evaluated(self, run, split, metrics, context):
+    def jaxnitro_split_evaluated(self, run: RunContext, split: str, metrics: dict[str, Any], context: str) -> None:
         """A split was evaluated inside the run (``context`` is ``"validate"``).
 
         ``metrics`` is what ``finalize_metrics`` returned.
         """
 
     @hookspec
-    def jaxnitro_epoch_end(self, run, row):
+    def jaxnitro_epoch_end(self, run: RunContext, row: dict[str, Any]) -> None:
         """A history row is complete: ``row`` holds ``epoch``, ``step``, ``train_loss`` and
         the validation metrics, when validated. Rows follow epochs; with
         ``val_every_n_steps`` they follow validations (mid-epoch too, keyed by ``step``),
@@ -380,7 +397,7 @@ class LifecycleSpec:
         """
 
     @hookspec
-    def jaxnitro_step_period(self, run):
+    def jaxnitro_step_period(self, run: RunContext) -> int | Collection[int] | None:
         """Which optimizer steps this plugin wants to see the run's state at
         (``jaxnitro_step_boundary``): an int N (every N steps), a collection of step numbers
         (those steps), or None. Asked once at run start, of every plugin; the loop ends a
@@ -388,36 +405,43 @@ class LifecycleSpec:
         profiler of steps 100..109 answers ``(99, 109)``)."""
 
     @hookspec
-    def jaxnitro_step_boundary(self, run, step, epoch):
+    def jaxnitro_step_boundary(self, run: RunContext, step: int, epoch: int) -> None:
         """The run reached optimizer step ``step`` (of epoch ``epoch``), a multiple of a
         period some plugin asked for: every step up to it has been read and logged, a row
         closing there has been validated and emitted, and ``run.nitro.state`` is the state
         after that step (copy it to keep it: the next step donates its buffers)."""
 
     @hookspec
-    def jaxnitro_run_finish(self, run, status):
+    def jaxnitro_run_ending(self, run, status):
+        """The run is about to finish with ``status``: a plugin whose last work can fail
+        (the checkpointer's final saves and the wait for them) does it here. With status
+        ``"done"``, an exception here fails the run: every ``jaxnitro_run_finish`` then gets
+        ``"failed"`` and the error is raised once all plugins have finished."""
+
+    @hookspec
+    def jaxnitro_run_finish(self, run: RunContext, status: str) -> None:
         """The run ended with ``status``: ``"done"``, ``"diverged"``, ``"interrupted"``
         (Ctrl-C), ``"preempted"`` (SIGTERM, or ``max_time`` reached) or ``"failed"``. Called
         whatever happened, after the last event."""
 
     @hookspec
-    def jaxnitro_setup_step(self, experiment, step):
+    def jaxnitro_setup_step(self, experiment: Any, step: str) -> None:
         """``Nitro(experiment)``'s setup is at ``step``: ``"starting"``, then named steps
         (``"building data"``, ``"deriving"``, ``"checking splits"``, ``"building model"``,
         ``"building optimizer"``), then ``"done"`` or ``"failed"``."""
 
     @hookspec
-    def jaxnitro_phase_start(self, run, epoch, phase, detail):
+    def jaxnitro_phase_start(self, run: RunContext, epoch: int, phase: str, detail: str | None) -> None:
         """Epoch ``epoch``'s ``phase`` (``"train"`` or ``"validate"``) begins; ``detail`` says
         what it does first (``"compiling train step"``, ``"compiling forward"``) or is None."""
 
     @hookspec
-    def jaxnitro_progress_note(self, note):
+    def jaxnitro_progress_note(self, note: str | None) -> None:
         """The current progress note changed (``jn.progress_note``, ``jn.with_progress_note``);
         ``note`` is the innermost open note or None."""
 
     @hookspec
-    def jaxnitro_before_verb(self, nitro, verb):
+    def jaxnitro_before_verb(self, nitro: Nitro, verb: str) -> None:
         """A verb (``"train"``, ``"validate"``, ``"evaluate"``, ``"predict"``) is about to
         run on ``nitro``. The stale-handle report subscribes here."""
 

@@ -30,7 +30,7 @@ KNOB_DEFAULTS: dict[str, object] = {
     "run_dir": "runs",
     "n_devs": None,
     "accum": 1,
-    "steps_per_dispatch": 1,
+    "steps_per_dispatch": "auto",
     "max_epochs": 10,
     "max_steps": None,
     "val_every_n_steps": None,

@@ -7,7 +7,9 @@ optionally ``info()`` (identifying parameters), ``backend`` (a wrapped
 tracker object), ``resume(step)`` (the run continues an existing run folder from
 optimizer step ``step``: called once, before any other verb of the run) and
 ``flush()`` (push what is buffered to its destination: called at each history row's
-end and each step boundary, before the checkpointer saves). The ``logger`` run knob is a name (made by the
+end and each step boundary, before the checkpointer saves). A run that failed passes the
+failure's text (``"<ExceptionType>: <message>"``) to ``finish(status, error=text)`` when the
+logger's ``finish`` takes the keyword ``error``, else logs it first as ``log_other("error", text)``. The ``logger`` run knob is a name (made by the
 ``jaxnitro_make_logger`` hook), a logger object, a list of those (several
 loggers at once), or ``None``. Left unset, the ``jaxnitro_default_logger``
 hook names it; the core names no logger.
@@ -31,6 +33,7 @@ import jax
 import numpy as np
 import structlog
 
+from .contracts import LOGGER_VERBS, Logger
 from .experiment import fields_of, summarize_value
 from .hookspecs import hookimpl
 from .plugin_manager import disabled_note, first_result, plugins_info
@@ -47,7 +50,7 @@ __all__ = [
     "scalar_value",
 ]
 
-LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
+# LOGGER_VERBS (the required verbs) and the Logger protocol live in jaxnitro.contracts.
 
 log = structlog.get_logger("jaxnitro")
 
@@ -87,7 +90,7 @@ def check_logger_knob(spec, source: str):
                     f"disabled{disabled_note()}. Enable it, or choose another logger (logger=None "
                     f"turns logging off)."
                 )
-        else:
+        elif not isinstance(entry, Logger):  # the protocol's check; then name the missing verb
             for verb in LOGGER_VERBS:
                 verb_of(entry, verb)
     return spec
@@ -244,8 +247,29 @@ class LoggerRelay:
 
     @hookimpl
     def jaxnitro_run_finish(self, run, status):
-        if self._mine(run):
+        if not self._mine(run):
+            return
+        error = getattr(run, "error", None)
+        if status != "failed" or error is None:
             self._call("finish", status)
+            return
+        text = f"{type(error).__name__}: {error}"[:4000]
+        if _takes_error(self.logger.finish):
+            self._call("finish", status, error=text)  # the finish line names it
+        else:
+            self._call("log_other", "error", text)
+            self._call("finish", status)
+
+
+def _takes_error(finish) -> bool:
+    """Whether a logger's ``finish`` accepts the keyword ``error`` (the failure's text)."""
+    import inspect
+
+    try:
+        params = inspect.signature(finish).parameters
+    except (TypeError, ValueError):
+        return False
+    return "error" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 # -- public helpers -------------------------------------------------------------------

@@ -12,6 +12,14 @@ the misspelled hook and the closest real one. Distributions come from
 Experiment hooks are resolved per handle by :func:`resolve_hooks`: the
 experiment's own method wins, then an installed plugin's implementation (in
 pluggy's call order), then the built-in default.
+
+Every extension and lifecycle hook is called through pluggy (``pm.hook.<name>``), so
+``tryfirst``, ``trylast`` and ``wrapper=True`` work for all of them;
+:mod:`jaxnitro.hookcalls` records which plugin answered. The one exception is the
+experiment hooks: the core calls the resolved implementation's function itself, because
+their batch fields are routed as keyword-only arguments, which pluggy cannot pass (see
+DESIGN.md, "pluggy 1.7"); a ``wrapper=True`` implementation of an experiment hook is
+therefore never chosen.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 import pluggy
 
 from . import hookspecs
+from .hookcalls import Answer, Manager, call, first_answer, forget_answers, latest_answers
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
 
 __all__ = [
@@ -58,6 +67,9 @@ class PluginInfo:
     distribution: str
     version: str
     hooks: tuple[str, ...]
+    answered: tuple[str, ...] = ()
+    """The extension-hook questions this plugin gave the latest answer to in this process, as
+    ``"jaxnitro_make_logger(name='jsonl')"`` (pytest's ``--trace-config`` in spirit)."""
 
 
 _GLOBAL: pluggy.PluginManager | None = None
@@ -70,7 +82,7 @@ def _disabled_from_env() -> list[str]:
 
 def new_manager() -> pluggy.PluginManager:
     """An empty manager that knows every jaxnitro hookspec."""
-    pm = pluggy.PluginManager(PROJECT)
+    pm = Manager(PROJECT)
     pm.add_hookspecs(hookspecs)  # the module-level experiment hooks
     pm.add_hookspecs(hookspecs.ExtensionSpec)
     pm.add_hookspecs(hookspecs.LifecycleSpec)
@@ -143,6 +155,7 @@ def reload_plugins() -> pluggy.PluginManager:
     global _GLOBAL
     _GLOBAL = None
     _DIST_NAMES.clear()
+    forget_answers()
     from .exports import forget
 
     forget()
@@ -170,14 +183,26 @@ def plugins_info() -> list[PluginInfo]:
     """The loaded plugins with their module, distribution and the hooks they implement."""
     pm = plugin_manager()
     dists = _distributions(pm)
+    answered: dict[str, list[str]] = {}
+    for answer in latest_answers():
+        answered.setdefault(answer.plugin, []).append(f"{answer.hook}({answer.question})")
     out = []
     for name, plugin in pm.list_name_plugin():
         if plugin is None:  # blocked
             continue
         dist, version = dists.get(id(plugin), ("?", "?"))
         hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
-        out.append(PluginInfo(name, getattr(plugin, "__name__", repr(plugin)), dist, version, hooks))
+        out.append(PluginInfo(name, getattr(plugin, "__name__", repr(plugin)), dist, version, hooks,
+                              tuple(answered.get(name, ()))))
     return out
+
+
+def answer_source(answer: Answer) -> str:
+    """``plugin <name> (<distribution> <version>)`` for an :class:`~jaxnitro.hookcalls.Answer`
+    (as :class:`ResolvedHook` names a plugin's experiment hook); ``plugin <name>`` for a plugin
+    registered by hand (no distribution)."""
+    dist, version = _distributions(plugin_manager()).get(id(answer.plugin_object), ("?", "?"))
+    return f"plugin {answer.plugin} ({dist} {version})" if dist != "?" else f"plugin {answer.plugin}"
 
 
 def disabled_plugins() -> list[str]:
@@ -192,20 +217,17 @@ def disabled_note() -> str:
 
 
 def first_result(hook_name: str, **kwargs):
-    """Call extension hook ``hook_name`` (a firstresult hook) and return its answer or None."""
-    return getattr(plugin_manager().hook, hook_name)(**kwargs)
+    """Call extension hook ``hook_name`` (a firstresult hook) through pluggy and return its
+    answer or None; which plugin answered is recorded (:func:`jaxnitro.hookcalls.first_answer`)."""
+    return first_answer(plugin_manager(), hook_name, kwargs)
 
 
 def plugin_exports() -> list[tuple[str, dict]]:
-    """``[(plugin name, {public name: object})]`` from every plugin's ``jaxnitro_exports``."""
-    pm = plugin_manager()
-    caller = pm.hook.jaxnitro_exports
-    out = []
-    for impl in reversed(caller.get_hookimpls()):
-        names = impl.function()
-        if names:
-            out.append((impl.plugin_name, dict(names)))
-    return out
+    """``[(plugin name, {public name: object})]`` from every plugin's ``jaxnitro_exports``,
+    called through pluggy (in its call order; each answer noted with its plugin's name, so
+    that two plugins exporting one name can be named)."""
+    _, frame = call(plugin_manager(), "jaxnitro_exports", {})
+    return [(impl.plugin_name, dict(names)) for impl, names in frame.results if names]
 
 
 # -- experiment hooks -------------------------------------------------------------------
@@ -337,7 +359,7 @@ def resolve_hooks(e, defaults) -> dict[str, ResolvedHook]:
             _check_positionals(cls_name, hook, own)
             resolved[hook] = ResolvedHook(hook, own, "experiment")
             continue
-        impls = getattr(pm.hook, hook).get_hookimpls()
+        impls = [i for i in getattr(pm.hook, hook).get_hookimpls() if not (i.wrapper or i.hookwrapper)]
         if impls:
             chosen = impls[-1]  # the one pluggy would call first
             dist, version = dists.get(id(chosen.plugin), ("?", "?"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .contracts import REPORTER_METHODS
 from .events import emit
 from .interrupts import check as check_stop
 from .plugin_manager import disabled_note, first_result
@@ -48,7 +49,7 @@ def progress_reporter(reporter="auto"):
     """
     global _installed
     if reporter is not None and not isinstance(reporter, str):
-        missing = [m for m in ("begin", "update", "close") if not callable(getattr(reporter, m, None))]
+        missing = [m for m in REPORTER_METHODS if not callable(getattr(reporter, m, None))]
         if missing:
             raise TypeError(
                 f"jaxnitro: a progress reporter needs methods begin(total, label), "

@@ -37,6 +37,7 @@ from .prefetch import is_addressable
 from .prefetch.contract import accessors
 from .progress import phase_start
 from .reads import StepReads, step_scalars
+from .run_lock import hold_run_folder
 from .routing import KEY_DATA
 from .schedules import StepValues
 from .sources import release_sources
@@ -102,32 +103,35 @@ def run_training(nitro) -> None:
     fails, the handle keeps a final status.
     """
     record = nitro.record
-    status = None  # set by the run itself, or from the exception that ended it
+    status = folder = None  # status: set by the run itself, or from the exception that ended it
     with stop_signals():
         try:
             record.status = "running"
             record.run_dir = run_folder_of(nitro)
-            run = RunContext(nitro, record.run_dir)
             dist = nitro.plan.dist
+            folder = hold_run_folder(record.run_dir, dist)  # before anything is written into it
+            run = RunContext(nitro, record.run_dir)
             logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
             record.loggers = run.loggers = make_loggers(logger, record.run_dir, nitro.experiment)
-            with run_scoped([LoggerRelay(logger, run) for logger in run.loggers]):
+            with run_scoped([*(LoggerRelay(logger, run) for logger in run.loggers), folder]):
                 try:
                     emit("jaxnitro_run_start", run=run)
                     status = _Run(nitro, run).run()
                 except BaseException as exc:
-                    status = _status_of(exc)
+                    status, run.error = _status_of(exc), exc
                     raise
                 finally:
                     record.status = status
                     emit_finish(run, status)
-        except BaseException as exc:
-            status = status or _status_of(exc)  # also a Ctrl-C before the run's own try
+        except BaseException as exc:  # also a Ctrl-C before the run's own try, or a failed finish
+            status = _status_of(exc) if status in (None, "done") else status
             if isinstance(exc, (KeyboardInterrupt, Preempted)):
                 consume_stop()
             raise
         finally:
             record.status = status
+            if folder is not None:
+                folder.release()  # whatever the status; a killed process's lock is stale by construction
             release_sources(nitro.data)  # once per run end; a released source reopens when read again
 
 

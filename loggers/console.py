@@ -40,8 +40,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.logger import scalar_value
+from jaxnitro.plugin import hookimpl, scalar_value
 
 __all__ = ["ConsoleLogger", "jaxnitro_exports", "jaxnitro_make_logger"]
 

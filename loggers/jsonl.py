@@ -10,7 +10,7 @@ Every line is a JSON object with a ``"kind"``:
 * ``{"kind": "params", "params": {...}}``
 * ``{"kind": "other", "key": key, "value": value}``
 * ``{"kind": "metrics", "context": context, "step": step, "epoch": epoch, "time": t, <metric>: value, ...}``
-* ``{"kind": "finish", "status": status, "time": t}``
+* ``{"kind": "finish", "status": status, "time": t}`` (a failed run's also ``"error": "<Type>: <message>"``)
 * ``{"kind": "resume", "step": step, "dropped": n, "repaired": how, "time": t}``: a resumed
   run continues the file from ``step`` (see :meth:`JSONLLogger.resume`).
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugin import hookimpl
 
 __all__ = ["JSONLLogger", "continue_jsonl", "read_jsonl", "jaxnitro_make_logger"]
 
@@ -226,13 +226,18 @@ class JSONLLogger:
             self._f.flush()
             self._last_flush = now
 
-    def finish(self, status: str) -> None:
-        """Write ``{"kind": "finish", "status": status, "time": ...}``, flush and close.
+    def finish(self, status: str, *, error: str | None = None) -> None:
+        """Write ``{"kind": "finish", "status": status, "time": ...}``, flush and close; with
+        ``error`` (a failed run's ``"<ExceptionType>: <message>"``), the line also carries
+        ``"error": error``.
 
         The logger is finished afterwards: any further verb raises ``RuntimeError``.
         """
         self._check_open("finish")
-        self._line({"kind": "finish", "status": status, "time": time.time()}, flush=False)
+        line = {"kind": "finish", "status": status, "time": time.time()}
+        if error is not None:
+            line["error"] = str(error)
+        self._line(line, flush=False)
         self._status = str(status)
         self._finalizer()  # flush + close, exactly once
 

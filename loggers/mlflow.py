@@ -68,8 +68,7 @@ from pathlib import Path
 from typing import Any
 
 
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.logger import scalar_value
+from jaxnitro.plugin import hookimpl, scalar_value
 
 __all__ = [
     "MAX_PARAM_LENGTH",

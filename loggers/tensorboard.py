@@ -55,8 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.logger import scalar_value
+from jaxnitro.plugin import hookimpl, scalar_value
 
 __all__ = [
     "NAMES",

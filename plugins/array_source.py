@@ -39,10 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxnitro.blocks import aligned
-from jaxnitro.distributed import ProcessPart, split_by_process
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.prefetch.contract import check_epoch
+from jaxnitro.plugin import ProcessPart, aligned, check_epoch, hookimpl, split_by_process
 
 __all__ = ["DEFAULT_SEED", "ArraySource"]
 

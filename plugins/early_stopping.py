@@ -20,20 +20,12 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-import weakref
 
 import attrs
 
-from jaxnitro.evaluation import check_monitored_value
-from jaxnitro.history import improves
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.knobs import require_monitor_and_val
+from jaxnitro.plugin import check_monitored_value, hookimpl, improves, owns_knob, require_monitor_and_val
 
 __all__ = ["EarlyStopping"]
-
-_accepted: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-"""handle -> the ``early_stop`` value this plugin accepted for it (and so applies)."""
-
 
 @attrs.define
 class EarlyStopping:
@@ -99,14 +91,14 @@ def jaxnitro_accept_knob(name, value, nitro):
             f"or an object with `should_stop(epoch, value, mode) -> bool`, or None."
         )
     require_monitor_and_val(nitro, "early_stop", "stops on the monitored metric", "drop early_stop")
-    _accepted[nitro] = value
     return True
 
 
 def _own_policy(run):
-    """The run's ``early_stop`` policy if this plugin accepted it, else None."""
+    """The run's ``early_stop`` policy if this plugin accepted it (the core records which plugin
+    did: :func:`jaxnitro.plugin.owns_knob`), else None."""
     policy = run.settings.early_stop
-    return policy if policy is not None and _accepted.get(run.nitro) is policy else None
+    return policy if policy is not None and owns_knob(run, "early_stop", __name__) else None
 
 
 @hookimpl(trylast=True)

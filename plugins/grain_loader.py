@@ -43,10 +43,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.distributed import ProcessPart, split_by_process
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.sources import as_batch, check_fields
-from jaxnitro.prefetch.contract import check_epoch
+from jaxnitro.plugin import ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
 
 __all__ = ["GrainSource", "GrainStream"]
 

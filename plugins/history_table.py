@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugin import hookimpl
 
 __all__ = ["jaxnitro_render_history"]
 

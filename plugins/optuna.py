@@ -23,10 +23,7 @@ import math
 from collections.abc import Mapping
 
 import jaxnitro as jn
-from jaxnitro.evaluation import check_monitored_value
-from jaxnitro.experiment import fields_of, is_experiment
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.knobs import require_monitor_and_val
+from jaxnitro.plugin import check_monitored_value, fields_of, hookimpl, is_experiment, owns_knob, require_monitor_and_val
 
 __all__ = ["OptunaPruning", "optuna_objective"]
 
@@ -137,7 +134,7 @@ def jaxnitro_accept_knob(name, value, nitro):
 
 def _policy(run) -> OptunaPruning | None:
     policy = run.settings.early_stop
-    return policy if isinstance(policy, OptunaPruning) else None
+    return policy if isinstance(policy, OptunaPruning) and owns_knob(run, "early_stop", __name__) else None
 
 
 @hookimpl

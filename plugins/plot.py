@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugin import hookimpl
 
 __all__ = ["plot"]
 

@@ -28,23 +28,15 @@ from __future__ import annotations
 
 import numbers
 import os
-import weakref
 
 import jax
 
-from jaxnitro.book import make_book
-from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugin import hookimpl, owns_knob
 
 __all__ = ["PROFILE_FOLDER", "check_profile", "trace_files"]
 
 PROFILE_FOLDER = "profile"
 """The folder of the run folder that traces are written into (``jax.profiler``'s log dir)."""
-
-_accepted: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-"""handle -> the ``(start_step, n_steps)`` this plugin accepted for it."""
-
-_windows: dict = {}
-"""id(run) -> the :class:`_Window` of a run being profiled."""
 
 
 def _whole(v) -> bool:
@@ -76,16 +68,18 @@ def check_profile(value, source: str = "keyword") -> tuple[int, int]:
 
 
 def _run_total(nitro) -> int | None:
-    """The last step ``nitro``'s run takes, or None when it cannot be known at setup."""
-    train = nitro.data.get("train")
+    """The last step ``nitro``'s run takes: the smaller of ``max_steps`` and ``max_epochs`` x
+    steps per epoch (a stream without ``len()`` has only the first); None if neither is set."""
+    settings, bounds = nitro.settings, []
+    if settings.max_steps is not None:
+        bounds.append(int(settings.max_steps))
     try:
-        per_epoch = len(train) // nitro.settings.accum
+        per_epoch = len(nitro.data["train"]) // settings.accum
     except TypeError:  # a stream without len()
         per_epoch = None
-    try:
-        return make_book(nitro.settings, per_epoch).total
-    except ValueError:  # neither max_steps nor a length bounds it: setup says so
-        return None
+    if settings.max_epochs is not None and per_epoch is not None:
+        bounds.append(int(settings.max_epochs) * per_epoch)
+    return min(bounds) if bounds else None
 
 
 @hookimpl(trylast=True)
@@ -112,7 +106,6 @@ def jaxnitro_accept_knob(name, value, nitro):
                 f"the trace would miss steps. Choose a window inside steps {done + 1}..{total}"
                 f"{example}, or train longer."
             )
-    _accepted[nitro] = (start, n)
     return True
 
 
@@ -174,24 +167,28 @@ def jaxnitro_run_start(run):
 
     A handle trains once, from the step its setup saw, so the window accepted at setup lies
     ahead of the run."""
-    window = _accepted.get(run.nitro)
-    if window is None or run.settings.profile is None or not _main_process(run):
-        return
-    start, n = window
-    w = _windows[id(run)] = _Window(run, start, start + n - 1, start - 1)
+    value = run.settings.profile
+    if value is None or not owns_knob(run, "profile", __name__) or not _main_process(run):
+        return  # not profiled, or another plugin took the knob (it applies it)
+    start, n = check_profile(value, run.settings.source("profile"))
+    w = run.store(__name__)["window"] = _Window(run, start, start + n - 1, start - 1)
     if w.begin <= run.start_step:
         w.start()
 
 
+def _window(run):
+    return run.store(__name__).get("window")
+
+
 @hookimpl(trylast=True)
 def jaxnitro_step_period(run):
-    w = _windows.get(id(run))
+    w = _window(run)
     return None if w is None else (w.begin, w.last)
 
 
 @hookimpl(trylast=True)
 def jaxnitro_step_boundary(run, step, epoch):
-    w = _windows.get(id(run))
+    w = _window(run)
     if w is None:
         return
     if step == w.begin and not w.tracing:
@@ -203,6 +200,6 @@ def jaxnitro_step_boundary(run, step, epoch):
 @hookimpl(trylast=True)
 def jaxnitro_run_finish(run, status):
     """Stop a trace the run ended inside (any status), so what was traced is written."""
-    w = _windows.pop(id(run), None)
+    w = _window(run)
     if w is not None:
         w.stop()

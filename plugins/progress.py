@@ -33,8 +33,7 @@ import sys
 import time
 from typing import IO, Any
 
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.progress import current_note, make_reporter
+from jaxnitro.plugin import current_note, hookimpl, make_reporter
 
 __all__ = [
     "TqdmReporter",
@@ -397,7 +396,6 @@ def _display(reporter, run):
 
 
 _displays: list = []  # open displays, innermost last (a handle built inside a hook nests)
-_runs: dict = {}  # id(run) -> its display
 
 
 @hookimpl(trylast=True)
@@ -420,20 +418,20 @@ def jaxnitro_setup_step(experiment, step):
 def jaxnitro_run_start(run):
     reporter = make_reporter()
     display = _display(reporter, run) if reporter else None
-    _runs[id(run)] = display
+    run.store(__name__)["display"] = display
     _displays.append(display)
 
 
 @hookimpl(trylast=True)
 def jaxnitro_phase_start(run, epoch, phase, detail):
-    display = _runs.get(id(run))
+    display = run.store(__name__).get("display")
     if display is not None:
         display.phase_start(epoch, phase, detail)
 
 
 @hookimpl(trylast=True)
 def jaxnitro_steps_read(run, stretch):
-    display = _runs.get(id(run))
+    display = run.store(__name__).get("display")
     if display is not None and len(stretch):
         display.detail = None  # steps were computed: the phase's first step (a compile) is over
         display.move((stretch.first_step + len(stretch) - 1) / display.steps_per_epoch)
@@ -441,7 +439,7 @@ def jaxnitro_steps_read(run, stretch):
 
 @hookimpl(trylast=True)
 def jaxnitro_epoch_end(run, row):
-    display = _runs.get(id(run))
+    display = run.store(__name__).get("display")
     if display is not None:
         display.epoch_end(row)
 
@@ -455,7 +453,7 @@ def jaxnitro_progress_note(note):
 
 @hookimpl(trylast=True)
 def jaxnitro_run_finish(run, status):
-    display = _runs.pop(id(run), None)
+    display = run.store(__name__).pop("display", None)
     if display in _displays:
         _displays.remove(display)
     if display is not None:

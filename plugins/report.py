@@ -5,7 +5,8 @@ A handle is described by a title (status, seed, accum, horizon, batch width,
 devices, where the weights came from, step and epoch) and bands, each a framed
 table: ``data`` (splits and prefetch), ``routing`` (which batch fields each
 hook receives and where it runs), ``hooks`` (each hook that is not the
-experiment's own, with the plugin and distribution it came from),
+experiment's own, with the plugin and distribution it came from, then each extension hook
+a plugin answered for this handle, e.g. ``jaxnitro_accept_knob(name='early_stop')``),
 ``bindings`` (schedules and run knobs with their source) and ``parameter
 groups``. An experiment is described by its fields (marker, value, doc).
 The ``parameter groups`` band's ``anchor`` column says where each group's decay
@@ -24,8 +25,7 @@ from collections.abc import Sequence
 import attrs
 import jax
 
-from jaxnitro.experiment import fields_of, summarize_value
-from jaxnitro.hookspecs import hookimpl
+from jaxnitro.plugin import answer_source, answers_for, fields_of, hookimpl, summarize_value
 
 __all__ = ["text_table", "html_table", "Band", "render_bands_text", "render_bands_html", "handle_bands"]
 
@@ -206,6 +206,7 @@ def _routing_band(nitro) -> Band:
 def _hooks_band(nitro) -> Band:
     """Each experiment hook that is not the experiment's own, and where it came from."""
     rows = [(name, hook.source) for name, hook in nitro.plan.hooks.items() if hook.source != "experiment"]
+    rows += [(f"{a.hook}({a.question})", answer_source(a)) for a in answers_for(nitro)]  # the plugin that answered
     return Band("hooks not defined by the experiment", ("hook", "from"), rows)
 
 

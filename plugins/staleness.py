@@ -14,9 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from jaxnitro.experiment import call_method, is_experiment, method_of
-from jaxnitro.hookspecs import EXPERIMENT_HOOKS, hookimpl
-from jaxnitro.knobs import SCALAR_KNOBS
+from jaxnitro.plugin import EXPERIMENT_HOOKS, SCALAR_KNOBS, call_method, hookimpl, is_experiment, method_of
 
 __all__ = ["Snapshot", "set_config_report"]
 

@@ -38,10 +38,7 @@ import attrs
 import numpy as np
 
 import jaxnitro as jn
-from jaxnitro.experiment import fields_of, to_device_value
-from jaxnitro.hookspecs import hookimpl
-from jaxnitro.knobs import HANDLE_KEYWORDS, RUN_KNOBS
-from jaxnitro.optim import HYPERS
+from jaxnitro.plugin import HANDLE_KEYWORDS, HYPERS, RUN_KNOBS, fields_of, hookimpl, to_device_value
 
 __all__ = ["SweepResults", "constant_schedule", "sweep"]
 

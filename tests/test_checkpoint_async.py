@@ -124,7 +124,13 @@ def test_best_alone_never_writes_a_worse_epoch(tmp_path, slow_writes):
 def test_an_interrupted_run_waits_for_its_pending_saves(tmp_path, slow_writes):
     written, _ = slow_writes
 
+    runs = []
+
     class Stop:
+        @jn.hookimpl
+        def jaxnitro_run_start(self, run):
+            runs.append(run)
+
         @jn.hookimpl
         def jaxnitro_epoch_trained(self, run, epoch, step, stats):
             if epoch == 4:
@@ -133,7 +139,7 @@ def test_an_interrupted_run_waits_for_its_pending_saves(tmp_path, slow_writes):
     with run_scoped([Stop()]), pytest.raises(KeyboardInterrupt):
         jn.train(Ranked(), run_dir=tmp_path, max_epochs=6, logger=None,
                  checkpointer=jn.Checkpointer(keep=(jn.Best(2), jn.Last(1))))
-    assert not plugin._SAVERS and written[-1] == 24  # the run-end save was written before train() raised
+    assert not runs[0].store(plugin.__name__) and written[-1] == 24  # saver finished and dropped; the run-end save was written before train() raised
     (folder,) = os.listdir(tmp_path)
     assert step_dirs(tmp_path / folder) == ["6", "12", "18", "24"]  # Best(2), Last(1) and the run's end
     resumed = jn.Nitro(Ranked(), run_dir=tmp_path, resume="auto", logger=None)
@@ -145,9 +151,16 @@ def test_a_failed_save_is_raised_on_the_loops_thread(tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(plugin._Saver, "write", fail)
-    with pytest.raises(RuntimeError, match=r"saving a checkpoint under .*checkpoints failed: OSError"):
+    runs = []
+
+    class Watch:
+        @jn.hookimpl
+        def jaxnitro_run_start(self, run):
+            runs.append(run)
+
+    with run_scoped([Watch()]), pytest.raises(RuntimeError, match=r"saving the checkpoint of step \d+ under .*checkpoints failed: OSError"):
         jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None, checkpointer=jn.Checkpointer())
-    assert not plugin._SAVERS
+    assert not runs[0].store(plugin.__name__)  # the saver was finished and dropped
 
 
 class SlowEpochs:

@@ -148,7 +148,7 @@ def test_knob_resolution_and_validation(tmp_path):
     assert (n.settings.steps_per_dispatch, n.settings.source("steps_per_dispatch")) == (2, "accessor")
     n = jn.Nitro(jn.experiment(ByMethod)(), run_dir=tmp_path, steps_per_dispatch=3)
     assert (n.settings.steps_per_dispatch, n.settings.source("steps_per_dispatch")) == (3, "keyword")
-    assert jn.Nitro(Tiny(), run_dir=tmp_path).settings.steps_per_dispatch == 1
+    assert jn.Nitro(Tiny(), run_dir=tmp_path).settings.steps_per_dispatch == "auto"  # the default (issue 20)
     # the bindings band says how an epoch is dispatched, a remainder of single steps included
     per_epoch = len(n.data["train"]) // n.settings.accum
     k = next(k for k in range(2, per_epoch) if per_epoch % k)

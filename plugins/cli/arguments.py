@@ -38,8 +38,7 @@ from typing import Any
 
 import attrs
 
-from jaxnitro.experiment import fields_of, is_experiment
-from jaxnitro.knobs import KNOB_DEFAULTS, RUN_KNOBS, resolve_knobs
+from jaxnitro.plugin import KNOB_DEFAULTS, RUN_KNOBS, fields_of, is_experiment, resolve_knobs
 
 __all__ = [
     "CommandLineError", "Invocation", "build_parser", "config_yaml", "load_class", "parse",

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro import hookimpl
+from jaxnitro.plugin import IndexedSource, hookimpl  # a plugin imports only jaxnitro and jaxnitro.plugin
 
 __all__ = ["ArrayLoader", "ArraySource", "jaxnitro_adapt_source"]
 
@@ -151,7 +151,7 @@ class ArraySource:
 
 
 @hookimpl
-def jaxnitro_adapt_source(source, split):
+def jaxnitro_adapt_source(source: Any, split: str | None) -> IndexedSource | None:
     """Return ``source.source(split)`` for an :class:`ArrayLoader`; ``None`` for anything else."""
     if isinstance(source, ArrayLoader):
         return source.source(split)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro import hookimpl
+from jaxnitro.plugin import Logger, hookimpl  # a plugin imports only jaxnitro and jaxnitro.plugin
 
 __all__ = ["CSVLogger", "HEADER", "jaxnitro_make_logger"]
 
@@ -212,7 +212,7 @@ class CSVLogger:
 
 
 @hookimpl
-def jaxnitro_make_logger(name, run_dir, experiment):
+def jaxnitro_make_logger(name: str, run_dir: Path, experiment: Any) -> Logger | None:
     """Return a :class:`CSVLogger` on ``run_dir`` for the name ``"csv"``; ``None`` otherwise.
 
     Not ``trylast``: no built-in answers ``"csv"``, so there is nothing to defer

@@ -1,0 +1,167 @@
+"""The shapes a plugin's objects take, as ``typing.Protocol``s (re-exported by :mod:`jaxnitro.plugin`).
+
+jaxnitro has no base classes: a logger, a progress reporter, a data source, a stop
+policy is any object with the methods below (structural typing). The protocols say
+so to a type checker, and the core checks objects with them where it checks shapes
+at all (``isinstance`` works: each is ``runtime_checkable``, which looks for the
+methods, not their signatures; the core then names the missing method in its error).
+
+This module imports nothing of jaxnitro, so every core module may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Batch",
+    "Checkpointer",
+    "Exporter",
+    "IndexedSource",
+    "LOGGER_VERBS",
+    "Logger",
+    "REPORTER_METHODS",
+    "Reporter",
+    "Source",
+    "StopPolicy",
+]
+
+Batch = Mapping[str, Any]
+"""One batch: ``{field: NumPy array}``, batch dimension first."""
+
+LOGGER_VERBS = ("log_params", "log_other", "log_metrics", "finish")
+"""The verbs every logger has (the members of :class:`Logger`)."""
+
+REPORTER_METHODS = ("begin", "update", "close")
+"""The methods every progress reporter has (the members of :class:`Reporter`)."""
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """What the ``logger`` knob's objects (and ``jaxnitro_make_logger``'s answers) offer.
+
+    The run's :class:`~jaxnitro.logger.LoggerRelay` calls the verbs from lifecycle
+    events; a logger that raises gets nothing more that run (the others go on).
+    Optional verbs, called only when the logger has them: ``info() -> dict`` (what
+    identifies it: a path, a URL; ``jn.logger_info``), ``backend`` (the wrapped
+    tracker object; ``jn.backend``), ``resume(step: int) -> None`` (the run continues an
+    existing run folder from optimizer step ``step``: called once, before any other
+    verb of the run) and ``flush() -> None`` (push what is buffered: called at each
+    history row's end and each step boundary, before the checkpointer saves).
+    """
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """The run's parameters (experiment fields, knobs, prefetch settings), once at run start."""
+
+    def log_other(self, key: str, value: Any) -> None:
+        """A named text or value (the binding report as ``"binding_report"``)."""
+
+    def log_metrics(self, metrics: dict[str, Any], *, step: int, epoch: int, context: str) -> None:
+        """Metrics at optimizer step ``step`` of ``epoch``; ``context`` is ``"train"`` (per-step
+        scalars), ``"data"`` (an epoch's pipeline figures) or ``"validate"``."""
+
+    def finish(self, status: str) -> None:
+        """The run ended with ``status`` (``"done"``, ``"diverged"``, ``"interrupted"``,
+        ``"preempted"``, ``"failed"``)."""
+
+
+@runtime_checkable
+class Reporter(Protocol):
+    """A progress reporter (``jn.progress_reporter(obj)``, ``jaxnitro_make_progress_reporter``)."""
+
+    def begin(self, total: int, label: str) -> None:
+        """A stretch of ``total`` epochs begins (``total == 0``: named phases with no epochs, setup)."""
+
+    def update(self, position: float, label: str) -> None:
+        """Move to ``position`` (in epochs, fractional) and show ``label``."""
+
+    def close(self, label: str) -> None:
+        """The stretch ended; ``label`` says how (``"done: 40/40 epochs"``)."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A data split: ``len()`` batches per epoch, read in order by iterating.
+
+    Optional: ``release()`` (free what it holds; the framework calls it at the run's
+    end), ``bind_seed(seed)`` (draw the shuffle from the run's seed), ``info()`` (what
+    the binding report shows), ``prefetch_workers`` (the producer threads it wants).
+    """
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+
+@runtime_checkable
+class IndexedSource(Protocol):
+    """An index-addressable source: several producers read it at once, in any order.
+
+    ``begin_epoch(epoch)`` fixes that epoch's plan (its shuffle); ``batch_at(i)`` then
+    returns its ``i``-th batch for ``0 <= i < len(source)``, deterministic and safe to
+    call from several threads. ``jn.check_batch_at(source)`` verifies one. A list or
+    tuple of batches is one too (indexing is ``batch_at``).
+    """
+
+    def __len__(self) -> int: ...
+
+    def begin_epoch(self, epoch: int) -> None: ...
+
+    def batch_at(self, i: int) -> Batch: ...
+
+
+@runtime_checkable
+class StopPolicy(Protocol):
+    """What the ``early_stop`` knob's value offers to the built-in early-stopping plugin.
+
+    ``should_stop`` is asked at every validated history row with the monitored value
+    and its mode (``"max"`` or ``"min"``). Optional: ``reset()`` (called at run start)
+    and ``patience`` (named in the stop reason). A policy of another kind is fine as
+    long as the plugin that accepts it (``jaxnitro_accept_knob``) applies it, as
+    ``jn.OptunaPruning`` is accepted and applied by the optuna plugin: the plugin that
+    accepts a knob is the only one that acts on it.
+    """
+
+    def should_stop(self, epoch: int, value: float, mode: str) -> bool: ...
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """The hooks a checkpointer plugin implements (a module or an object registered as a plugin).
+
+    It accepts the ``checkpointer`` knob (``jaxnitro_accept_knob``: return True for a
+    value it acts on), asks for the steps it saves at (``jaxnitro_step_period``), saves
+    at history rows' ends and step boundaries, writes what it holds when the run ends,
+    and finds saved checkpoints for ``weights=`` / ``resume=`` (``jaxnitro_load_weights``,
+    returning a :class:`jaxnitro.plugin.WeightsRecord`). The built-in one is
+    ``jaxnitro.checkpointers.orbax``. It acts only on a knob it accepted
+    (:func:`jaxnitro.plugin.owns_knob`).
+    """
+
+    def jaxnitro_accept_knob(self, name: str, value: Any, nitro: Any) -> bool | None: ...
+
+    def jaxnitro_run_start(self, run: Any) -> None: ...
+
+    def jaxnitro_epoch_end(self, run: Any, row: dict[str, Any]) -> None: ...
+
+    def jaxnitro_run_finish(self, run: Any, status: str) -> None: ...
+
+    def jaxnitro_load_weights(self, spec: Any, run_dir: str, experiment: Any, monitor: tuple[str, str] | None,
+                              purpose: str) -> Any: ...
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """An exporter: writes a handle's inference program to a folder and loads it back.
+
+    ``export(nitro, path, **options) -> path`` (the options of ``nitro.export``:
+    ``example``, ``device_inputs``, ``symbolic_batch``, ``platforms``, ``overwrite``),
+    ``load(path)`` returns a callable ``outputs = loaded(batch)`` that needs no
+    experiment code. The built-in one is ``jax.export`` (``nitro.export``,
+    ``jn.load_exported``).
+    """
+
+    def export(self, nitro: Any, path: str, **options: Any) -> str: ...
+
+    def load(self, path: str) -> Any: ...

@@ -1,0 +1,121 @@
+"""``jaxnitro.plugin``: everything a plugin imports (besides the public ``jaxnitro``).
+
+A plugin, built-in or third-party, is a module (or an object) registered as an entry
+point in group ``jaxnitro``; it implements hooks marked with :data:`hookimpl`. The
+built-in plugins (``jaxnitro.plugins.*``, ``jaxnitro.loggers.*``,
+``jaxnitro.checkpointers.*``) import only ``jaxnitro`` and this module; an
+import-linter contract in pyproject.toml (``plugins-use-the-plugin-surface``) keeps it
+so. See docs/plugins.md.
+
+**Hooks.** :data:`hookimpl` marks an implementation; the specs, with their types, are
+:class:`ExtensionSpec` (one answer each, ``firstresult``), :class:`LifecycleSpec` (every
+plugin, at fixed points of a run) and the experiment hooks (:data:`EXPERIMENT_HOOKS`,
+module-level functions of :mod:`jaxnitro.hookspecs`). Every extension and lifecycle hook
+is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work.
+
+**Shapes** (``typing.Protocol``, ``runtime_checkable``): :class:`Logger`,
+:class:`Reporter`, :class:`Source`, :class:`IndexedSource`, :class:`StopPolicy`,
+:class:`Checkpointer`, :class:`Exporter`.
+
+**Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
+``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
+``run.store(key)``, the per-run dict for a plugin's state) and :class:`StepStretch`
+(``jaxnitro_steps_read``). A history row (``jaxnitro_epoch_end``) is a ``dict``.
+
+**Knobs and answers.** :func:`owns_knob` says whether a plugin is the one that accepted a
+run knob (``jaxnitro_accept_knob``) for this handle: only that plugin acts on it.
+:func:`answers_for` lists which plugin answered each extension hook for a handle (its
+setup and runs; ``print(nitro)`` shows them), :func:`answer_source` names one with its
+distribution.
+
+**Helpers** the built-in plugins share, each documented where it is defined:
+
+* experiments: :func:`fields_of`, :func:`is_experiment`, :func:`call_method`,
+  :func:`method_of`, :func:`summarize_value`, :func:`to_device_value`;
+* run knobs: :data:`RUN_KNOBS`, :data:`KNOB_DEFAULTS`, :data:`HANDLE_KEYWORDS`,
+  :data:`SCALAR_KNOBS`, :func:`resolve_knobs`, :func:`require_monitor_and_val`;
+* the monitored metric: :func:`check_monitored_value`, :func:`improves`,
+  :func:`best_positions`;
+* data: :func:`as_batch`, :func:`check_fields`, :func:`check_epoch`, :func:`aligned`,
+  :class:`ProcessPart`, :func:`split_by_process`;
+* loggers and progress: :func:`scalar_value`, :data:`LOGGER_VERBS`, :func:`make_reporter`,
+  :func:`current_note`;
+* checkpoints: :class:`WeightsRecord`, :class:`NoCheckpointError`, :func:`incompatibility`,
+  :func:`jsonable`, :func:`from_jsonable`, :func:`tree_listing`, :func:`ema_of`,
+  :func:`rule_state_of`, :data:`HYPERS`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .blocks import aligned
+from .contracts import (
+    LOGGER_VERBS,
+    REPORTER_METHODS,
+    Batch,
+    Checkpointer,
+    Exporter,
+    IndexedSource,
+    Logger,
+    Reporter,
+    Source,
+    StopPolicy,
+)
+from .distributed import ProcessPart, split_by_process
+from .evaluation import check_monitored_value
+from .events import RunContext, StepStretch
+from .experiment import call_method, fields_of, is_experiment, method_of, summarize_value, to_device_value
+from .hookcalls import Answer, answers_for, knob_owner
+from .plugin_manager import answer_source
+from .history import best_positions, improves
+from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
+from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
+from .logger import scalar_value
+from .optim import HYPERS, ema_of, rule_state_of
+from .prefetch.contract import check_epoch
+from .progress import current_note, make_reporter
+from .sources import as_batch, check_fields
+from .weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
+
+__all__ = [
+    # hooks
+    "hookimpl", "hookspec", "ExtensionSpec", "LifecycleSpec", "EXPERIMENT_HOOKS",
+    # shapes
+    "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
+    "StopPolicy", "Checkpointer", "Exporter",
+    # events and who answered
+    "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
+    # experiments and knobs
+    "fields_of", "is_experiment", "call_method", "method_of", "summarize_value", "to_device_value",
+    "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "SCALAR_KNOBS", "resolve_knobs",
+    "require_monitor_and_val",
+    # the monitored metric
+    "check_monitored_value", "improves", "best_positions",
+    # data
+    "as_batch", "check_fields", "check_epoch", "aligned", "ProcessPart", "split_by_process",
+    # loggers and progress
+    "scalar_value", "make_reporter", "current_note",
+    # checkpoints
+    "WeightsRecord", "NoCheckpointError", "incompatibility", "jsonable", "from_jsonable",
+    "tree_listing", "ema_of", "rule_state_of", "HYPERS",
+]
+
+
+def owns_knob(where, knob: str, plugin) -> bool:
+    """Whether ``plugin`` accepted run knob ``knob`` for this handle (and so is the one to act on it).
+
+    ``where`` is a run (:class:`RunContext`) or a handle; ``plugin`` is the plugin itself
+    or, for a module plugin, its module name (pass ``__name__``). At setup, the core asks
+    ``jaxnitro_accept_knob`` for every plugin knob that is set and records which plugin
+    answered first (pluggy's order: an installed plugin before a ``trylast`` built-in); a
+    plugin that acts on a knob another plugin accepted would apply a value it never
+    checked. ``early_stop=MyPolicy()`` accepted by a third-party plugin is therefore left
+    alone by the built-in early stopping, and ``checkpointer=`` by the orbax checkpointer.
+    """
+    owner = knob_owner(where, knob)
+    if owner is None:
+        return False
+    if isinstance(plugin, str):
+        return owner is sys.modules.get(plugin) or getattr(owner, "__name__", None) == plugin
+    return owner is plugin
