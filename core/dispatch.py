@@ -192,6 +192,12 @@ class Dispatcher:
         self.k, self.block_fn = k, block_fn
         self.tiled = _tiled({n: v for n, v in self.dev.items() if n not in self.scheds.device}, k)
 
+    annotate = None
+    """None, or ``step -> context manager`` (set by the loop per segment while a plugin
+    profiles, :attr:`jaxnitro.RunContext.step_annotation`): each dispatch of :meth:`run` (a
+    block of ``k`` steps, or one step with its accumulate programs) runs inside
+    ``annotate(its first step)``. Unset, :meth:`run` costs one attribute check a segment."""
+
     def run(self, reader, leaves, step: int, cut: int, stop, pending: list, read_every: int, read):
         """Dispatch steps ``step + 1 .. cut`` from ``reader``: ``(leaves, step reached, Outcome)``.
 
@@ -200,6 +206,8 @@ class Dispatcher:
         pending) reports a non-finite loss (``DIVERGED``), or when the reader's stream ends
         (``EXHAUSTED``; a partly read step is dropped).
         """
+        if self.annotate is not None:
+            return self._run_annotated(reader, leaves, step, cut, stop, pending, read_every, read)
         p, s, o = leaves
         k, accum, scheds, dev, scale = self.k, self.accum, self.scheds, self.dev, self.scale
         step_fn, accumulate, clock = self.step_fn, self.accumulate, time.perf_counter
@@ -244,6 +252,18 @@ class Dispatcher:
         except StopIteration:
             outcome = Outcome.EXHAUSTED
         return (p, s, o), step, outcome
+
+    def _run_annotated(self, reader, leaves, step, cut, stop, pending, read_every, read):
+        """:meth:`run`, one dispatch at a time, each inside ``annotate(its first step)``."""
+        annotate, self.annotate, outcome = self.annotate, None, Outcome.COMPLETE
+        try:
+            while step < cut and outcome is Outcome.COMPLETE:
+                end = step + (self.k if self.k > 1 and cut - step >= self.k and not reader.short else 1)
+                with annotate(step + 1):
+                    leaves, step, outcome = self.run(reader, leaves, step, end, stop, pending, read_every, read)
+        finally:
+            self.annotate = annotate
+        return leaves, step, outcome
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -48,6 +48,10 @@ class RunContext:
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
     - ``error``: the exception that failed the run (set by the loop, or by
       :func:`emit_finish` when a plugin fails to finish a run that was ``"done"``), else None.
+    - ``step_annotation``: None, or set by a plugin (the profiler): a callable ``step ->
+      context manager`` that the loop enters around each dispatch of the segments it starts
+      from then on (``step`` is the dispatch's first optimizer step), e.g.
+      ``lambda s: jax.profiler.StepTraceAnnotation("train", step_num=s)``; None again stops it.
     """
 
     nitro: object
@@ -63,6 +67,7 @@ class RunContext:
     data_position: object = None
     start_step: int = field(init=False, default=0)
     _stores: dict = field(init=False, default_factory=dict, repr=False)
+    step_annotation: object = None
 
     def __post_init__(self):
         self.start_step = int(getattr(self.nitro, "step", 0) or 0)

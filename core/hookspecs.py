@@ -270,7 +270,7 @@ class ExtensionSpec:
         """Say whether this plugin acts on run knob ``name`` set to ``value``.
 
         Asked at setup for every run knob that the core does not act on itself
-        (``early_stop``, ``checkpointer``) when its value is not ``None``.
+        (``early_stop``, ``checkpointer``, ``profile``) when its value is not ``None``.
         Return ``True`` to take charge of it; raise (naming the knob, the
         problem and the fix) if the value is wrong for ``nitro``, a handle
         whose data, hooks, ``monitor`` and settings are resolved. A knob no

@@ -45,10 +45,11 @@ KNOB_DEFAULTS: dict[str, object] = {
     "checkpointer": None,
     "early_stop": None,
     "ema": None,
+    "profile": None,
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
 
-PLUGIN_KNOBS = ("early_stop", "checkpointer")
+PLUGIN_KNOBS = ("early_stop", "checkpointer", "profile")
 """Knobs the core does not act on itself: a plugin must accept them (``jaxnitro_accept_knob``)."""
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
@@ -160,6 +161,7 @@ class Settings:
     val_every_n_steps: int | None = None
     max_time: float | None = None
     schedule_horizon: str | None = None
+    profile: object = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -328,6 +330,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         checkpointer=k["checkpointer"],
         early_stop=k["early_stop"],
         ema=k["ema"],
+        profile=k["profile"],
         monitor=monitor,
         knobs=dict(knobs),
     )

@@ -365,6 +365,7 @@ class _Run:
                 cut = book.next_cut(step, last)
                 if self.probe is not None:
                     cut = min(cut, self.probe.next_mark(step))
+                dispatcher.annotate = self.run_ctx.step_annotation  # None unless a plugin is profiling
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )

@@ -237,7 +237,7 @@ def _bindings_band(nitro) -> Band:
         rows.append((name, value, s.source(name)))
     if s.logger is not None:
         rows.append(("logger", s.logger, s.source("logger")))
-    for name in ("early_stop", "checkpointer", "ema"):
+    for name in ("early_stop", "checkpointer", "ema", "profile"):
         value = getattr(s, name, None)
         if value is not None:
             rows.append((name, _configured(value), s.source(name)))

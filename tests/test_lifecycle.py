@@ -180,7 +180,7 @@ BUILTINS = (
     "jsonl", "progress", "early_stopping", "history_table", "report", "staleness", "plot",
     "console", "tensorboard", "mlflow", "array_source", "grain_loader", "torch_loader", "orbax",
     "sweep", "optuna",
-    "cli",
+    "cli", "profiler",
 )
 
 
