@@ -45,6 +45,9 @@ KNOB_DEFAULTS: dict[str, object] = {
     "checkpointer": None,
     "early_stop": None,
     "ema": None,
+    "precision": "float32",
+    "remat": False,
+    "device_peak_flops": None,
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
 
@@ -160,6 +163,9 @@ class Settings:
     val_every_n_steps: int | None = None
     max_time: float | None = None
     schedule_horizon: str | None = None
+    precision: str = "float32"
+    remat: object = False
+    device_peak_flops: float | None = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -325,6 +331,9 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         checkpointer=k["checkpointer"],
         early_stop=k["early_stop"],
         ema=k["ema"],
+        precision=k["precision"],
+        remat=k["remat"],
+        device_peak_flops=None if k["device_peak_flops"] is None else float(k["device_peak_flops"]),
         monitor=monitor,
         knobs=dict(knobs),
     )
