@@ -130,10 +130,9 @@ class Policy:
     def describe(self) -> str:
         """One line for ``print(nitro)``."""
         if not self.low:
-            return "float32 (no casts)"
-        kept = f"; float32 kept for {len(self.kept)} of {len(self.keep)} arrays (keep_float32)" if self.kept else ""
-        return (f"{self.precision} compute (params and float batch fields cast in the step), float32 "
-                f"master weights, optimizer state, loss and metrics{kept}")
+            return "float32"
+        kept = f"; {len(self.kept)} of {len(self.keep)} arrays kept float32" if self.kept else ""
+        return f"{self.precision} compute; float32 masters, optimizer state, loss, metrics{kept}"
 
     def describe_remat(self) -> str:
         if self.remat is False or self.remat is None:

@@ -127,6 +127,7 @@ class Plan:
     resumed: "ResumePoint | None" = None
     weights_meta: dict | None = None
     dist: Any = None
+    memory: Any = None  # the memory preflight's MemoryReport (jaxnitro.memory), once compiled
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import LoggerRelay, make_loggers
+from .memory import preflight
 from .plugin_manager import plugin_manager
 from .prefetch import is_addressable
 from .prefetch.contract import accessors
@@ -265,6 +266,8 @@ class _Run:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
+                if nitro.plan.memory is None:  # the memory preflight: compiles the first step's programs
+                    nitro.plan.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
                     self.stop()
