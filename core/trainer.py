@@ -291,6 +291,7 @@ class _Run:
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 cut = book.next_cut(step, last)
+                reads.clock()
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )
