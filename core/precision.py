@@ -179,20 +179,57 @@ class Policy:
                 pass
         return outputs, new_state
 
-    def wrap_forward(self, fn, inference: bool):
-        """``fn`` (the ``forward`` hook) under ``jax.checkpoint`` when ``remat`` is on and the
-        program differentiates it (not in inference)."""
-        if inference or self.remat is False or self.remat is None:
-            return fn
+    def _policy(self):
         if self.remat is True:
-            policy = None
-        elif isinstance(self.remat, str):
-            policy = getattr(jax.checkpoint_policies, self.remat)
-        else:
-            policy = self.remat
-        checkpointed = eqx.filter_checkpoint(lambda view, model, state, fields: fn(view, model, state, **fields),
-                                             policy=policy)
-        return lambda view, model, state, **fields: checkpointed(view, model, state, fields)
+            return None
+        if isinstance(self.remat, str):
+            return getattr(jax.checkpoint_policies, self.remat)
+        return self.remat
+
+    def rematerialized(self, model, fn, inference: bool):
+        """``(model, fn)`` under ``remat`` when the program differentiates ``forward`` (not in
+        inference): every Module in a list or tuple of Modules of ``model`` (the repeated
+        blocks: ``eqx.nn.MLP``'s ``layers``, a transformer's blocks; the outermost such
+        sequence) runs under ``jax.checkpoint`` (:class:`Checkpointed`); a model without one
+        has its whole ``forward`` (``fn``) checkpointed instead."""
+        if inference or self.remat is False or self.remat is None:
+            return model, fn
+        policy = self._policy()
+        found = []
+
+        def wrap(x):
+            if _is_blocks(x):
+                found.append(len(x))
+                return type(x)(Checkpointed(b, policy) for b in x)
+            return x
+
+        wrapped = jax.tree_util.tree_map(wrap, model, is_leaf=_is_blocks)
+        if found:
+            return wrapped, fn
+        checkpointed = eqx.filter_checkpoint(lambda view, m, state, fields: fn(view, m, state, **fields), policy=policy)
+        return model, lambda view, m, state, **fields: checkpointed(view, m, state, fields)
+
+
+def _is_blocks(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 1 and all(isinstance(b, eqx.Module) and callable(b) for b in x)
+
+
+class Checkpointed(eqx.Module):
+    """A block of the model run under ``jax.checkpoint`` (``remat``): called as the block,
+    its activations are recomputed in the backward pass except those ``policy`` saves.
+    Attribute reads go to the block (``layer.weight``)."""
+
+    inner: eqx.Module
+    policy: object = eqx.field(static=True, default=None)
+
+    def __call__(self, *args, **kwargs):
+        run = eqx.filter_checkpoint(lambda m, a, k: m(*a, **k), policy=self.policy)
+        return run(self.inner, args, kwargs)
+
+    def __getattr__(self, name):
+        if name in ("inner", "policy") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def _is_float(x) -> bool:

@@ -220,7 +220,8 @@ class ProgramSet:
         if inference:
             model = eqx.nn.inference_mode(model)
         fields = policy.cast_inputs(self.routes["forward"].select(batch))
-        res = policy.wrap_forward(self._hook("forward"), inference)(view, model, state, **fields)
+        model, fn = policy.rematerialized(model, self._hook("forward"), inference)
+        res = fn(view, model, state, **fields)
         return policy.outputs(*_check_forward_result(res, state, self.cls.__name__), state)
 
     def _loss_and_aux(self, params, state, dev, batch, meta):
