@@ -167,6 +167,7 @@ def saved_for_backward(n) -> int:
                if "argument" not in why)
 
 
+@pytest.mark.slow
 def test_remat_recomputes_the_blocks_keeps_less_for_the_backward_pass_and_is_bitwise_equal(tmp_path):
     plain = jn.Nitro(DeepMLP(), logger=None, run_dir=tmp_path)
     remat = jn.Nitro(DeepMLP(), logger=None, run_dir=tmp_path, remat=True)
