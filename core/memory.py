@@ -177,6 +177,13 @@ def _stats(compiled) -> tuple[int, int, float | None]:
     return temp, needed, flops
 
 
+@jax.jit
+def _zeros_like(leaves):
+    """Zeros shaped, placed and committed as a jitted function's outputs over ``leaves`` are
+    (an uncommitted input gives an uncommitted output: a jit cache key of its own)."""
+    return [jax.numpy.zeros_like(x) for x in leaves]
+
+
 def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True) -> MemoryReport:
     """Compile ``nitro``'s first optimizer step ahead of time and report its memory per device.
 
@@ -214,8 +221,7 @@ def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True) -> MemoryR
         temp, needed, flops = _stats(compiled)
         figures.append((temp, needed, None if flops is None else flops * (settings.accum - 1)))
         names.append("accumulate")
-        (g_shardings, _aux), _ = compiled.output_shardings
-        acc = [jax.device_put(np.zeros(x.shape, x.dtype), sh) for x, sh in zip(p, g_shardings)]
+        acc = _zeros_like(p)  # as accumulate returns them: its signature is the first train step's
     compiled = step_prog.jitted.lower(p, s, o, dev, batch, acc, scale, hypers).compile()
     figures.append(_stats(compiled))
     names.append("train_step")

@@ -205,7 +205,11 @@ def test_memory_report_figures_and_the_first_step_compiles_nothing_again(tmp_pat
     assert "device capacity" in str(report) and "unknown" in str(report)
     assert report.programs == ("accumulate", "train_step") and report.flops_per_step > 0
     traced = jn.cache_stats().misses
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiled.append(kw.get("fun_name")) if event.endswith("backend_compile_duration") else None)
     n.train()
+    assert "jit(train_step)" not in compiled and "jit(accumulate)" not in compiled and "jit(forward)" in compiled
     step = n.plan.programs.train_step(n.plan.opt_spec, n.plan.tx, jax.tree_util.tree_structure(n.state.opt_state))
     assert step.traces == 1 and n.plan.programs.accumulate().traces == 1
     assert jn.cache_stats().misses == traced + 1  # the forward program (validation) only
