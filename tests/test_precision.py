@@ -256,3 +256,9 @@ def test_tokens_and_a_bad_samples_per_batch(tmp_path):
     assert t["tokens_per_sec"] == pytest.approx(2 * 160 * t["steps_per_sec"]) and "mfu" not in t  # no peak on a CPU
     with pytest.raises(TypeError, match=r"`samples_per_batch` of FreshTiny returned 'many'"):
         jn.train(fresh_tiny(samples_per_batch=lambda self: "many")(max_epochs=1), run_dir=tmp_path, logger=None)
+
+
+def test_bfloat16_is_refused_for_a_manual_train_step():
+    E = fresh_tiny(train_step=lambda self, models, optimizers, *, x: (models, optimizers, {}))
+    with pytest.raises(ValueError, match=r"`precision` = 'bfloat16' \(keyword\), but FreshTiny writes its own `train_step`"):
+        jn.Nitro(E(), logger=None, precision="bfloat16")
