@@ -23,6 +23,7 @@ from .interrupts import PREEMPTED_EXIT_CODE, Preempted, Terminated
 from .knobs import Settings
 from .logger import backend, logger_info
 from .manual import Optimizers
+from .memory import MemoryReport, WontFitError, memory_report
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
@@ -66,6 +67,9 @@ __all__ = [
     "hookspec",
     "load_exported",
     "logger_info",
+    "memory_report",
+    "MemoryReport",
+    "WontFitError",
     "plugins_info",
     "progress_note",
     "progress_reporter",

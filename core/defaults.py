@@ -39,3 +39,6 @@ class Defaults:
 
     def decay_anchor(self, group):
         return "zero"
+
+    def keep_float32(self, path):
+        return False

@@ -232,10 +232,20 @@ class Nitro:
         return export_nitro(self, path, example=example, device_inputs=device_inputs,
                             symbolic_batch=symbolic_batch, platforms=platforms, overwrite=overwrite)
 
-    def history(self) -> MetricHistory:
-        """The run as data: one row per validated epoch (epoch, step, train_loss, metrics)."""
+    def history(self, throughput: bool = False) -> MetricHistory:
+        """The run as data: one row per validated epoch (epoch, step, train_loss, metrics).
+
+        ``throughput=True`` adds each row's measured figures (``steps_per_sec``, ``samples_per_sec``
+        or ``tokens_per_sec``, ``flops_per_step``, ``mfu``: :mod:`jaxnitro.throughput`) as
+        columns; they are left out by default so that the rows of two runs of the same
+        settings (a resumed run and a straight one) stay equal."""
+        rows = self.rows
+        if throughput:
+            timed = {r["step"]: r for r in self.record.throughput}
+            rows = [{**r, **{k: v for k, v in timed.get(r["step"], {}).items() if k not in ("epoch", "step")}}
+                    for r in rows]
         return MetricHistory(
-            self.rows,
+            rows,
             monitor=self.settings.monitor,
             title=f"history of {type(self.experiment).__name__}",
             run_dir=self.run_dir,

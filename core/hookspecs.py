@@ -216,6 +216,29 @@ def decay_anchor(self, group: str) -> Literal["zero", "w0"]:
 def monitor(self) -> tuple[str, Literal["max", "min"]] | None:
     """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
 
+# -- precision and throughput -------------------------------------------------
+
+@hookspec(firstresult=True)
+def keep_float32(self, path):
+    """Return True to keep the parameter at ``path`` in float32 under ``precision="bfloat16"``.
+
+    ``path`` is the parameter's key path as ``param_group`` receives it (a tuple of ``str``
+    and ``int``, e.g. ``("norm", "weight")``). Asked once per trainable array at setup, only
+    under a precision below float32; the answers are a trace-time constant (part of the
+    program key). A parameter kept float32 makes its layer compute in float32 (bfloat16
+    inputs are promoted): use it for LayerNorm scales, the loss head. Default: False.
+    """
+
+@hookspec(firstresult=True)
+def samples_per_batch(self):
+    """Say what one train batch holds, for the throughput figures (see docs/precision.md).
+
+    Return an ``int`` (samples in one train batch of the whole job: history and log get
+    ``samples_per_sec``) or ``{unit: count}`` (e.g. ``{"tokens": 64 * 1024}``:
+    ``tokens_per_sec``). Called once per ``train()`` on the host. Without it only
+    ``steps_per_sec`` (and, with known FLOPs and peak, ``mfu``) are reported.
+    """
+
 
 
 class ExtensionSpec:
@@ -450,6 +473,7 @@ EXPERIMENT_HOOKS = (
     "build_data", "derive", "build_model", "forward", "loss", "metrics", "train_metrics",
     "train_step", "finalize_metrics", "metrics_residency", "param_group", "learning_rate",
     "learning_rate_ratio", "weight_decay", "optimizer", "decay_anchor", "monitor",
+    "keep_float32", "samples_per_batch",
 )
 """Names of the experiment hooks, in contract order."""
 

@@ -46,6 +46,9 @@ KNOB_DEFAULTS: dict[str, object] = {
     "early_stop": None,
     "ema": None,
     "profile": None,
+    "precision": "float32",
+    "remat": False,
+    "device_peak_flops": None,
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
 
@@ -162,6 +165,9 @@ class Settings:
     max_time: float | None = None
     schedule_horizon: str | None = None
     profile: object = None
+    precision: str = "float32"
+    remat: object = False
+    device_peak_flops: float | None = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -331,6 +337,9 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         early_stop=k["early_stop"],
         ema=k["ema"],
         profile=k["profile"],
+        precision=k["precision"],
+        remat=k["remat"],
+        device_peak_flops=None if k["device_peak_flops"] is None else float(k["device_peak_flops"]),
         monitor=monitor,
         knobs=dict(knobs),
     )

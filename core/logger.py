@@ -19,7 +19,8 @@ that turns lifecycle events into verbs: ``params`` and the binding report at
 run start (preceded by ``resume(step)`` when the run continues an existing run
 folder and the logger has that verb), a ``train`` line per step (every
 ``log_every_n_steps``-th) per stretch read, a ``data`` line per epoch trained, a
-``validate`` line per validation, ``flush()`` at each history row's end and each step
+``validate`` line per validation, a ``throughput`` line per history row (steps/s and the
+measured figures of :mod:`jaxnitro.throughput`), ``flush()`` at each history row's end and each step
 boundary a plugin asked for (a checkpointer's ``every_n_steps``), when the logger has it,
 ``finish(status)`` at the end.
 """
@@ -234,6 +235,11 @@ class LoggerRelay:
 
     @hookimpl(tryfirst=True)
     def jaxnitro_epoch_end(self, run, row):
+        if self._mine(run) and self.failed is None:  # the row's measured throughput (jaxnitro.throughput)
+            timed = run.nitro.record.throughput
+            if timed and timed[-1]["step"] == row["step"]:
+                figures = {k: v for k, v in timed[-1].items() if k not in ("epoch", "step")}
+                self._call("log_metrics", figures, step=row["step"], epoch=row["epoch"], context="throughput")
         self._flush(run)
 
     @hookimpl(tryfirst=True)

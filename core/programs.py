@@ -5,7 +5,8 @@ Five kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
 * ``train_step`` — forward, loss and gradient of one batch, added to the
   accumulated gradient of the earlier micro-batches, scaled by ``1/accum``,
   clipped and applied by the optimizer. One dispatch per optimizer step.
-  Key: the traced hooks, GraphConst values, model structure, routing and the
+  Key: the traced hooks, GraphConst values, model structure, routing, the precision
+  policy (``precision``, ``keep_float32``'s answers, ``remat``: :mod:`jaxnitro.precision`) and the
   optimizer (rules, groups, whether ``gradient_clip_norm`` clips at all; the
   threshold itself is an input).
 * ``accumulate`` — forward, loss and gradient of one micro-batch added to the
@@ -43,6 +44,7 @@ from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
+from .precision import Policy
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 from .train_metrics_host import host_train_metrics
 
@@ -163,6 +165,7 @@ class ProgramSet:
         param_def,
         state_def,
         train_metrics_on_host: bool = False,
+        precision: Policy | None = None,
     ):
         self.cls = cls
         self.hooks = hooks
@@ -174,10 +177,12 @@ class ProgramSet:
         self.state_def = state_def
         self.has_train_metrics = "train_metrics" in hooks
         self.train_metrics_on_host = bool(train_metrics_on_host and self.has_train_metrics)
+        self.precision = precision if precision is not None else Policy()  # the casts and remat around forward
         self._base_key = (
             experiment_key(cls),  # what the programs reach of the class: in _hook_key
             tuple(sorted((k, stable_key(v)) for k, v in self.graph_values.items())),
             skeleton.key,
+            self.precision.key(),
         )
 
     def _program(self, kind: str, key: tuple, build, donate_argnums=()) -> Program:
@@ -208,11 +213,16 @@ class ProgramSet:
         return hooks + (traced_class_key(self.cls, traced, _UNTRACED),)
 
     def _forward(self, view, params, state, batch, inference: bool):
-        model = eqx.combine(params, self.skeleton.static)
+        """``forward`` under the precision policy (:mod:`jaxnitro.precision`): params and float
+        fields cast to the compute dtype, outputs back to float32, remat when training."""
+        policy = self.precision
+        model = eqx.combine(policy.cast_params(params), self.skeleton.static)
         if inference:
             model = eqx.nn.inference_mode(model)
-        res = self._hook("forward")(view, model, state, **self.routes["forward"].select(batch))
-        return _check_forward_result(res, state, self.cls.__name__)
+        fields = policy.cast_inputs(self.routes["forward"].select(batch))
+        model, fn = policy.rematerialized(model, self._hook("forward"), inference)
+        res = fn(view, model, state, **fields)
+        return policy.outputs(*_check_forward_result(res, state, self.cls.__name__), state)
 
     def _loss_and_aux(self, params, state, dev, batch, meta):
         view = self.view(dev)

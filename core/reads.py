@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from .events import StepStretch, emit
+from .throughput import Meter
 
 __all__ = ["StepReads", "step_scalars"]
 
@@ -49,6 +50,13 @@ class StepReads:
         self.values: list[list[float]] = []
         self.row_base = nitro.step
         self.diverged_names: tuple[str, ...] = ()
+        self.meter = Meter(nitro)  # throughput: the rows' device-bound seconds, from the read times
+
+    def clock(self) -> None:
+        """The loop is about to dispatch: with nothing in flight the device was idle (a
+        validation, an event), so the throughput clock restarts now."""
+        if not self.pending:
+            self.meter.restart()
 
     def resume_open_row(self, values: list) -> None:
         """Continue an open row from a checkpoint: the read scalars of its steps before
@@ -95,6 +103,7 @@ class StepReads:
         ready = self.pending[:n]
         del self.pending[:n]  # in place: the dispatcher appends to this same list
         values = step_scalars(ready, self.accum).tolist()
+        each = self.meter.read(len(values))
         check = nitro.settings.check_divergence
         names = self.names()
         manual = "train_step" in nitro.plan.hooks  # the automatic step checks its loss; train_step every scalar
@@ -112,6 +121,7 @@ class StepReads:
                 break
             self.first_unread += 1
             self.values.append(row)
+            self.meter.step(each)
             rows.append(row)
             epochs.append(epoch)
             if self.row_ends and s == self.row_ends[0][1]:
@@ -137,6 +147,7 @@ class StepReads:
         epoch, last = self.row_ends.popleft()
         row = {"epoch": epoch, "step": last, **self.train_columns()}
         self.nitro.record.rows.append(row)
+        self.meter.close(epoch, last)
         self.values, self.row_base = [], last
         return row
 

@@ -31,6 +31,8 @@ from .manual import check_manual_experiment, split_optimizer
 from .optim import build_optimizer_spec, init_opt_state, with_ema
 from .plugin_manager import resolve_hooks
 from .prefetch.contract import bind_seed
+from .precision import check_knobs as check_precision_knobs
+from .precision import make_policy
 from .programs import ProgramSet, split_model
 from .progress import SetupSteps
 from .evaluation import check_eval_splits
@@ -92,7 +94,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     }
     plan.metrics_on_device = _metrics_on_device(e, plan)
     check_traced_code(e, plan.hooks, plan.metrics_on_device, _train_metrics_on_host(e, plan))
-    plan.programs = _program_set(e, plan, state)
+    plan.programs = _program_set(e, plan, state, settings)
     steps.to("building optimizer")
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
     plan.anchor_from = plan.weights_from if kwargs.get("w0") == "weights" else "build_model"
@@ -134,6 +136,7 @@ def _settings(e, kwargs: dict) -> Settings:
     check_ema_knob(knobs["ema"].value, knobs["ema"].source)
     n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
     logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
+    check_precision_knobs(knobs)  # precision, remat, device_peak_flops
     return dataclasses.replace(_knobs.make_settings(knobs, logger=logger, monitor=None), n_devs=n_devs)
 
 
@@ -287,8 +290,16 @@ def _train_metrics_on_host(e, plan: Plan) -> bool:
     return "train_metrics" in plan.hooks and plan.hooks["metrics_residency"].function(e, "train_metrics") == "host"
 
 
-def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
+def _program_set(e, plan: Plan, state: TrainState, settings: Settings) -> ProgramSet:
     infos = fields_of(e)
+    if settings.precision != "float32" and "train_step" in plan.hooks:
+        raise ValueError(
+            f"jaxnitro: run knob `precision` = {settings.precision!r} ({settings.source('precision')}), "
+            f"but {type(e).__name__} writes its own `train_step`, whose losses and gradients the "
+            f"framework does not see: cast inside your train_step (e.g. "
+            f"`jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), model)` before the forward "
+            f"pass, the loss in float32), and leave `precision` at 'float32'."
+        )
     return ProgramSet(
         cls=type(e),
         hooks=plan.hooks,
@@ -299,6 +310,7 @@ def _program_set(e, plan: Plan, state: TrainState) -> ProgramSet:
         param_def=jax.tree_util.tree_structure(state.params),
         state_def=jax.tree_util.tree_structure(state.model_state),
         train_metrics_on_host=_train_metrics_on_host(e, plan),
+        precision=make_policy(e, plan.hooks, state.params, settings.precision, settings.remat),
     )
 
 

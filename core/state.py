@@ -127,6 +127,7 @@ class Plan:
     resumed: "ResumePoint | None" = None
     weights_meta: dict | None = None
     dist: Any = None
+    memory: Any = None  # the memory preflight's MemoryReport (jaxnitro.memory), once compiled
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ class RunRecord:
     ended before ``max_epochs``; ``rows``: one history row per epoch; ``run_dir``:
     the run's folder; ``loggers``: the run's loggers; ``diverged_at``:
     ``(step, epoch)`` of the first non-finite loss; ``problems``: what went wrong
-    without ending the run (a logger's I/O error), as messages.
+    without ending the run (a logger's I/O error), as messages; ``throughput``: per row,
+    ``{"epoch", "step", "steps_per_sec", ...}`` (:mod:`jaxnitro.throughput`).
     """
 
     status: str = "setup"
@@ -168,3 +170,4 @@ class RunRecord:
     loggers: list = field(default_factory=list)
     diverged_at: tuple[int, int] | None = None
     problems: list = field(default_factory=list)
+    throughput: list = field(default_factory=list)  # per row: steps_per_sec, ... (jaxnitro.throughput)

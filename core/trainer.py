@@ -32,6 +32,7 @@ from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import LoggerRelay, make_loggers
+from .memory import preflight
 from .plugin_manager import plugin_manager
 from .prefetch import is_addressable
 from .prefetch.contract import accessors
@@ -297,6 +298,8 @@ class _Run:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
+                if nitro.plan.memory is None:  # the memory preflight: compiles the first step's programs
+                    nitro.plan.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
                     self.stop()
@@ -366,6 +369,7 @@ class _Run:
                 if self.probe is not None:
                     cut = min(cut, self.probe.next_mark(step))
                 dispatcher.annotate = self.run_ctx.step_annotation  # None unless a plugin is profiling
+                reads.clock()
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )

@@ -117,6 +117,7 @@ class ConsoleLogger:
         self._sums: dict[str, list[float]] = {}  # name -> [sum, count, last]
         self._epoch_step = 0
         self._data: dict[int, dict] = {}
+        self._rates: list[float] = []
         self._step = 0
         self._last_epoch = 0
         self._started = time.monotonic()
@@ -156,6 +157,10 @@ class ConsoleLogger:
                 acc[2] = number
         elif context == "data":
             self._data[epoch] = dict(metrics)
+        elif context == "throughput":  # a row's measured steps/s: their mean goes on the run's last line
+            rate = scalar_value(metrics.get("steps_per_sec"))
+            if rate is not None:
+                self._rates.append(rate)
         else:
             if self._epoch is not None:
                 self._emit_epoch()
@@ -167,7 +172,10 @@ class ConsoleLogger:
         if self._epoch is not None:
             self._emit_epoch()
         elapsed = time.monotonic() - self._started
-        self._emit(f"run {status}", {"epochs": self._last_epoch, "steps": self._step, "elapsed": f"{elapsed:.1f}s"})
+        last = {"epochs": self._last_epoch, "steps": self._step, "elapsed": f"{elapsed:.1f}s"}
+        if self._rates:
+            last["steps_per_sec"] = f"{sum(self._rates) / len(self._rates):.4g}"
+        self._emit(f"run {status}", last)
 
     # -- queries -----------------------------------------------------------------
 

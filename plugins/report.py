@@ -7,8 +7,9 @@ table: ``data`` (splits and prefetch), ``routing`` (which batch fields each
 hook receives and where it runs), ``hooks`` (each hook that is not the
 experiment's own, with the plugin and distribution it came from, then each extension hook
 a plugin answered for this handle, e.g. ``jaxnitro_accept_knob(name='early_stop')``),
-``bindings`` (schedules and run knobs with their source) and ``parameter
-groups``. An experiment is described by its fields (marker, value, doc).
+``bindings`` (schedules and run knobs with their source, the precision policy and
+remat), ``parameter groups`` and ``memory per device`` (the memory preflight's
+figures, once a run or ``jn.memory_report`` compiled the train step). An experiment is described by its fields (marker, value, doc).
 The ``parameter groups`` band's ``anchor`` column says where each group's decay
 pulls: ``zero``, or ``w0 (<where the initial weights came from>)`` (L2-SP).
 Formats: ``"text"`` (sized to the terminal), ``"report"`` (120 columns, for a
@@ -235,6 +236,14 @@ def _bindings_band(nitro) -> Band:
         if value is None and name in ("max_epochs", "max_steps", "val_every_n_steps", "max_time"):
             continue  # a budget or an event that is not set: nothing to show
         rows.append((name, value, s.source(name)))
+    policy = getattr(nitro.plan.programs, "precision", None)
+    if policy is not None:  # the precision policy and remat (jaxnitro.precision)
+        rows.append(("precision", policy.describe(), s.source("precision")))
+        if policy.kept:
+            rows.append(("keep_float32", ", ".join(policy.kept), nitro.plan.hooks["keep_float32"].source))
+        rows.append(("remat", policy.describe_remat(), s.source("remat")))
+    if getattr(s, "device_peak_flops", None) is not None:
+        rows.append(("device_peak_flops", f"{s.device_peak_flops:.4g}", s.source("device_peak_flops")))
     if s.logger is not None:
         rows.append(("logger", s.logger, s.source("logger")))
     for name in ("early_stop", "checkpointer", "ema", "profile"):
@@ -281,9 +290,19 @@ def _model_optimizer(name) -> str:
     return "the model's" if name is None else f"name={name!r}"
 
 
+def _memory_band(nitro) -> Band:
+    """The memory preflight's figures per device (``jn.memory_report`` or a run's first step);
+    empty before either."""
+    report = getattr(nitro.plan, "memory", None)
+    if report is None:
+        return Band("memory per device", ("what", "bytes"), [])
+    return Band(f"memory per device ({report.device}, {report.n_devices} device(s))", ("what", "bytes"), report.rows())
+
+
 def handle_bands(nitro) -> list[Band]:
     """The bands of ``print(nitro)``, in order (an empty band is not shown)."""
-    return [_data_band(nitro), _routing_band(nitro), _hooks_band(nitro), _bindings_band(nitro), _groups_band(nitro)]
+    return [_data_band(nitro), _routing_band(nitro), _hooks_band(nitro), _bindings_band(nitro), _groups_band(nitro),
+            _memory_band(nitro)]
 
 
 # -- an experiment --------------------------------------------------------------------------

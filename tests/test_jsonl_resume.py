@@ -103,7 +103,8 @@ def test_a_resumed_run_appends_each_step_once_after_a_torn_line(tmp_path):
     assert resumed.run_dir == str(folder)
     after = read_jsonl(path)  # the whole file parses
     (mark,) = [ln for ln in after if ln["kind"] == "resume"]
-    assert {k: mark[k] for k in ("step", "dropped", "repaired")} == {"step": 6, "dropped": 8, "repaired": "cut"}
+    # dropped: steps 7..12's train lines, epoch 2's data, validate and throughput lines
+    assert {k: mark[k] for k in ("step", "dropped", "repaired")} == {"step": 6, "dropped": 9, "repaired": "cut"}
 
     def by_context(lines, context):
         return [(ln["step"], ln.get("loss")) for ln in lines if ln.get("context") == context]
@@ -113,4 +114,5 @@ def test_a_resumed_run_appends_each_step_once_after_a_torn_line(tmp_path):
     assert train == by_context(before, "train")  # the resumed run logged what the first one did
     assert by_context(after, "validate") == by_context(before, "validate") and [s for s, _ in by_context(after, "validate")] == [6, 12]
     assert [s for s, _ in by_context(after, "data")] == [6, 12]
+    assert [s for s, _ in by_context(after, "throughput")] == [6, 12]
     assert [ln["status"] for ln in after if ln["kind"] == "finish"] == ["done"]

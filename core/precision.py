@@ -1,0 +1,262 @@
+"""Mixed precision and rematerialization: the ``precision`` and ``remat`` run knobs.
+
+A :class:`Policy` is decided once, at setup, and applied inside the traced programs around
+the experiment's ``forward`` (:meth:`jaxnitro.programs.ProgramSet._forward`):
+
+* ``precision="float32"`` (the default): nothing is cast.
+* ``precision="bfloat16"``: the master parameters and the optimizer state stay float32 (they
+  are what the handle holds, the optimizer updates and a checkpoint saves). Inside the
+  traced step each trainable parameter is cast to bfloat16 (unless ``keep_float32(path)``
+  says it stays float32), and so is each floating batch field ``forward`` receives; the
+  model state (``eqx.nn.State``) is left as it is and handed back in its own dtypes.
+  ``forward``'s floating outputs are cast to float32 before ``loss``, ``train_metrics`` and
+  ``metrics``, so the loss, its reduction and the metrics are float32. The gradient is
+  taken with respect to the float32 masters through the cast, so it reaches the optimizer
+  in float32.
+* ``precision="float16"`` is refused (:data:`FLOAT16_REFUSAL`): float16's range (largest
+  65504, smallest normal 6e-5) makes gradients underflow without dynamic loss scaling,
+  which would add a scale to the optimizer state and steps that are skipped, and
+  bfloat16 (float32's range) gives the same memory and speed on the accelerators that
+  have either.
+
+``remat`` (``False``, ``True`` or the name of a policy in ``jax.checkpoint_policies``,
+e.g. ``"dots_saveable"``; a policy function is accepted too) wraps the training
+programs' ``forward`` in ``jax.checkpoint`` (:func:`equinox.filter_checkpoint`): its
+activations are recomputed in the backward pass instead of kept, except those the policy
+saves. Inference (validation, prediction) is never wrapped.
+
+Both are trace-time constants: :meth:`Policy.key` is part of every program key.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Policy", "PRECISIONS", "check_knobs", "make_policy", "remat_policies", "FLOAT16_REFUSAL"]
+
+PRECISIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+"""The accepted ``precision`` values and the compute dtype each means."""
+
+FLOAT16_REFUSAL = (
+    "float16 is not supported: its range (largest 65504, smallest normal 6e-5) makes small "
+    "gradients underflow to zero unless the loss is scaled dynamically (a scale carried in "
+    "the optimizer state, steps with overflowed gradients skipped), which jaxnitro does not "
+    "do. Use precision=\"bfloat16\": float32's range in 16 bits, the same memory and speed "
+    "on GPUs (Ampere and later) and TPUs, and no loss scaling."
+)
+
+
+def remat_policies() -> tuple[str, ...]:
+    """The names in ``jax.checkpoint_policies`` that are policies themselves (callables
+    ``(prim, *args, **params) -> bool``), not factories that make one from names."""
+    out = []
+    for name, value in sorted(vars(jax.checkpoint_policies).items()):
+        if name.startswith("_") or not callable(value):
+            continue
+        try:
+            params = inspect.signature(value).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            out.append(name)
+    return tuple(out)
+
+
+def check_knobs(knobs: dict) -> None:
+    """Refuse a bad ``precision``, ``remat`` or ``device_peak_flops`` (resolved knobs:
+    ``{name: ResolvedKnob}``), naming the knob, its source and the fix."""
+    prec = knobs["precision"]
+    if prec.value == "float16" or prec.value is jnp.float16 or prec.value == np.float16:
+        raise ValueError(f"jaxnitro: run knob `precision` = {prec.value!r} ({prec.source}); {FLOAT16_REFUSAL}")
+    if not isinstance(prec.value, str) or prec.value not in PRECISIONS:
+        raise ValueError(
+            f"jaxnitro: run knob `precision` = {prec.value!r} ({prec.source}); give one of "
+            f"{', '.join(map(repr, PRECISIONS))} (the compute dtype of forward and backward; the "
+            f"master weights and the optimizer state are float32 either way)."
+        )
+    remat = knobs["remat"]
+    if not (isinstance(remat.value, (bool, np.bool_)) or callable(remat.value)):
+        if not isinstance(remat.value, str) or remat.value not in remat_policies():
+            raise ValueError(
+                f"jaxnitro: run knob `remat` = {remat.value!r} ({remat.source}); give False (keep "
+                f"every activation), True (recompute them all in the backward pass) or the name of "
+                f"a policy of jax.checkpoint_policies saying which to keep: "
+                f"{', '.join(map(repr, remat_policies()))} (or a policy function, e.g. "
+                f"jax.checkpoint_policies.save_only_these_names('x'))."
+            )
+    peak = knobs["device_peak_flops"]
+    v = peak.value
+    if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real)
+                          or not math.isfinite(v) or v <= 0):
+        raise ValueError(
+            f"jaxnitro: run knob `device_peak_flops` = {v!r} ({peak.source}); give one device's peak "
+            f"FLOP/s at the run's precision as a number > 0 (e.g. 989e12 for an H100's bfloat16 "
+            f"dense peak), or None to use the known peak of the device, if any."
+        )
+
+
+class Policy:
+    """The precision and remat policy of one handle's programs (see the module docstring).
+
+    ``keep``: per trainable leaf (in ``jax.tree_util.tree_leaves`` order), True when it stays
+    float32 under a low precision; ``kept``: those leaves' paths (for ``print(nitro)``).
+    """
+
+    def __init__(self, precision: str = "float32", keep: tuple = (), kept: tuple = (), remat=False):
+        if isinstance(remat, np.bool_):
+            remat = bool(remat)
+        self.precision, self.keep, self.kept, self.remat = precision, tuple(keep), tuple(kept), remat
+        self.dtype = PRECISIONS[precision]
+
+    @property
+    def low(self) -> bool:
+        """Whether forward computes below float32."""
+        return self.precision != "float32"
+
+    def key(self) -> tuple:
+        """The part of a program key the policy decides."""
+        from .cache import stable_key
+
+        remat = self.remat if isinstance(self.remat, (bool, str)) or self.remat is None else stable_key(self.remat)
+        return ("precision", self.precision, self.keep if self.low else (), remat)
+
+    def describe(self) -> str:
+        """One line for ``print(nitro)``."""
+        if not self.low:
+            return "float32"
+        kept = f"; {len(self.kept)} of {len(self.keep)} arrays kept float32" if self.kept else ""
+        return f"{self.precision} compute; float32 masters, optimizer state, loss, metrics{kept}"
+
+    def describe_remat(self) -> str:
+        if self.remat is False or self.remat is None:
+            return "off"
+        if self.remat is True:
+            return "on (jax.checkpoint: every activation recomputed)"
+        name = self.remat if isinstance(self.remat, str) else getattr(self.remat, "__name__", repr(self.remat))
+        return f"on (jax.checkpoint, policy {name})"
+
+    # -- inside a trace ---------------------------------------------------------------
+
+    def cast_params(self, params):
+        """``params`` with each floating leaf not kept float32 cast to the compute dtype."""
+        if not self.low:
+            return params
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        if len(leaves) != len(self.keep):  # another tree (a manual step's part): cast every float leaf
+            keep = (False,) * len(leaves)
+        else:
+            keep = self.keep
+        cast = [x if k or not _is_float(x) else x.astype(self.dtype) for x, k in zip(leaves, keep)]
+        return jax.tree_util.tree_unflatten(treedef, cast)
+
+    def cast_inputs(self, fields: dict) -> dict:
+        """``forward``'s batch fields with each floating one cast to the compute dtype."""
+        if not self.low:
+            return fields
+        return {n: v.astype(self.dtype) if _is_float(v) else v for n, v in fields.items()}
+
+    def outputs(self, outputs, new_state, state):
+        """``forward``'s outputs in float32 (floating leaves below it cast up) and its new
+        model state in the incoming state's dtypes."""
+        if not self.low:
+            return outputs, new_state
+        up = lambda x: x.astype(jnp.float32) if _is_float(x) and jnp.finfo(x.dtype).bits < 32 else x  # noqa: E731
+        outputs = jax.tree_util.tree_map(up, outputs)
+        if state is not None and new_state is not None:
+            try:
+                new_state = jax.tree_util.tree_map(
+                    lambda new, old: new.astype(old.dtype) if hasattr(new, "astype") and hasattr(old, "dtype") else new,
+                    new_state, state,
+                )
+            except ValueError:  # another structure: _check_forward_result / the carry refuses it
+                pass
+        return outputs, new_state
+
+    def _policy(self):
+        if self.remat is True:
+            return None
+        if isinstance(self.remat, str):
+            return getattr(jax.checkpoint_policies, self.remat)
+        return self.remat
+
+    def rematerialized(self, model, fn, inference: bool):
+        """``(model, fn)`` under ``remat`` when the program differentiates ``forward`` (not in
+        inference): every Module in a list or tuple of Modules of ``model`` (the repeated
+        blocks: ``eqx.nn.MLP``'s ``layers``, a transformer's blocks; the outermost such
+        sequence) runs under ``jax.checkpoint`` (:class:`Checkpointed`); a model without one
+        has its whole ``forward`` (``fn``) checkpointed instead."""
+        if inference or self.remat is False or self.remat is None:
+            return model, fn
+        policy = self._policy()
+        found = []
+
+        def wrap(x):
+            if _is_blocks(x):
+                found.append(len(x))
+                return type(x)(Checkpointed(b, policy) for b in x)
+            return x
+
+        wrapped = jax.tree_util.tree_map(wrap, model, is_leaf=_is_blocks)
+        if found:
+            return wrapped, fn
+        checkpointed = eqx.filter_checkpoint(lambda view, m, state, fields: fn(view, m, state, **fields), policy=policy)
+        return model, lambda view, m, state, **fields: checkpointed(view, m, state, fields)
+
+
+def _is_blocks(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 1 and all(isinstance(b, eqx.Module) and callable(b) for b in x)
+
+
+class Checkpointed(eqx.Module):
+    """A block of the model run under ``jax.checkpoint`` (``remat``): called as the block,
+    its activations are recomputed in the backward pass except those ``policy`` saves.
+    Attribute reads go to the block (``layer.weight``)."""
+
+    inner: eqx.Module
+    policy: object = eqx.field(static=True, default=None)
+
+    def __call__(self, *args, **kwargs):
+        run = eqx.filter_checkpoint(lambda m, a, k: m(*a, **k), policy=self.policy)
+        return run(self.inner, args, kwargs)
+
+    def __getattr__(self, name):
+        if name in ("inner", "policy") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def make_policy(e, hooks: dict, params, precision: str, remat) -> Policy:
+    """The handle's :class:`Policy`: under a low precision, ``keep_float32(path)`` is asked
+    once per trainable array (``path`` as ``param_group`` receives it: a tuple of ``str``
+    and ``int``) and must answer a bool."""
+    if precision == "float32" or "keep_float32" not in hooks:
+        n = len(jax.tree_util.tree_leaves(params))
+        return Policy(precision, (False,) * n, (), remat)
+    from .optim import keypath_of
+
+    ask = hooks["keep_float32"].function
+    keep, kept = [], []
+    for path, _leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        kp = keypath_of(path)
+        answer = ask(e, kp)
+        if not isinstance(answer, (bool, np.bool_)):
+            raise TypeError(
+                f"jaxnitro: `keep_float32` of {type(e).__name__} returned {answer!r} for {kp}; it must "
+                f"return True (this parameter stays float32 under precision={precision!r}) or False "
+                f"(it is cast to {precision} in the step)."
+            )
+        keep.append(bool(answer))
+        if answer:
+            kept.append(".".join(map(str, kp)))
+    return Policy(precision, tuple(keep), tuple(kept), remat)
