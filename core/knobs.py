@@ -45,6 +45,8 @@ KNOB_DEFAULTS: dict[str, object] = {
     "checkpointer": None,
     "early_stop": None,
     "ema": None,
+    "sharding": "replicated",
+    "mesh_shape": None,
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
 
@@ -160,6 +162,8 @@ class Settings:
     val_every_n_steps: int | None = None
     max_time: float | None = None
     schedule_horizon: str | None = None
+    sharding: str = "replicated"
+    mesh_shape: dict | None = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -327,6 +331,8 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         ema=k["ema"],
         monitor=monitor,
         knobs=dict(knobs),
+        sharding=k["sharding"] or "replicated",
+        mesh_shape=k["mesh_shape"],
     )
 
 

@@ -107,7 +107,9 @@ class Plan:
     - ``dist``: where the handle runs (:class:`~jaxnitro.distributed.Dist`: the data mesh over
       ``n_devs`` devices and the processes of the job);
     - ``weights_meta``: the checkpoint record's metadata (``step``, ``epoch``, ``metrics``, ...)
-      when the weights came from a checkpoint (``weights=``, ``resume=``), else None.
+      when the weights came from a checkpoint (``weights=``, ``resume=``), else None;
+    - ``layout``: where the params and the optimizer state live on the mesh
+      (:class:`~jaxnitro.sharding.Layout`; ``sharding``, ``mesh_shape``, ``param_sharding``).
     """
 
     hooks: dict
@@ -127,6 +129,7 @@ class Plan:
     resumed: "ResumePoint | None" = None
     weights_meta: dict | None = None
     dist: Any = None
+    layout: Any = None
 
 
 @dataclass(frozen=True)
