@@ -264,6 +264,17 @@ class Dist:
         return len(self.local_devices)
 
     @property
+    def data_size(self) -> int:
+        """Devices along the ``"data"`` axis (the batch is split into this many slices): ``n_devs``
+        on the 1-D mesh, less with a ``mesh_shape`` that has other axes."""
+        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape))[AXIS]
+
+    @property
+    def local_data_size(self) -> int:
+        """This process's slices of the batch (``data_size / process_count``)."""
+        return self.data_size // self.process_count
+
+    @property
     def multi_process(self) -> bool:
         return self.process_count > 1
 
@@ -335,6 +346,13 @@ class Dist:
         if not self.multi_process:
             return tree
         sharding = self.replicated(local=True)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        split = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable
+                 and not x.sharding.is_fully_replicated]
+        if split:  # sharded params (sharding="fsdp", param_sharding): gathered whole, in one program
+            whole = _gather(self.replicated())([leaves[i] for i in split])
+            for i, x in zip(split, whole):
+                leaves[i] = x
 
         def to_local(x):
             if not isinstance(x, jax.Array) or x.is_fully_addressable:
@@ -342,7 +360,7 @@ class Dist:
             shards = [s.data for s in x.addressable_shards]
             return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
-        return jax.tree_util.tree_map(to_local, tree)
+        return jax.tree_util.tree_unflatten(treedef, [to_local(x) for x in leaves])
 
     def pad_width(self, n: int) -> int:
         """``n`` rounded up to a multiple of this process's device count."""
@@ -382,21 +400,45 @@ class Dist:
         return f"{self.n_devs} devices ({platform}), {procs}; params replicated, batch sharded on {AXIS!r}"
 
 
-def make_dist(n_devs: int) -> Dist:
+_GATHERS: dict = {}
+
+
+def _gather(sharding: NamedSharding):
+    """A program that returns its leaves on ``sharding`` (replicated: each gathered whole),
+    one per mesh; every process calls it at the same point (it is a collective)."""
+    if sharding not in _GATHERS:
+        _GATHERS[sharding] = jax.jit(lambda xs: xs, out_shardings=sharding)
+    return _GATHERS[sharding]
+
+
+def make_dist(n_devs: int, mesh_shape: dict | None = None) -> Dist:
     """The :class:`Dist` for ``n_devs`` devices of the job (checked by :func:`check_n_devs`):
     the first ``n_devs / process_count`` devices of every process, process by process, so
-    process ``p`` holds rows ``[p * b, (p + 1) * b)`` of every global batch."""
+    process ``p`` holds rows ``[p * b, (p + 1) * b)`` of every global batch.
+
+    ``mesh_shape`` (``{"data": 2, "model": 2}``, checked by
+    :func:`jaxnitro.sharding.check_mesh_shape`) reshapes those devices into a mesh with these
+    axes, in this order (the last axis varies fastest, so a ``"model"`` axis after ``"data"``
+    keeps its devices in one process when its size divides the local device count); None is
+    the 1-D mesh ``{"data": n_devs}``."""
     procs, me = jax.process_count(), jax.process_index()
     per = n_devs // procs
     devices = tuple(d for p in range(procs) for d in sorted(jax.local_devices(process_index=p), key=lambda d: d.id)[:per])
     local = tuple(d for d in devices if d.process_index == me)
+    names, shape = ((AXIS,), (len(devices),)) if mesh_shape is None else (tuple(mesh_shape), tuple(mesh_shape.values()))
+    grid = np.array(devices, dtype=object).reshape(shape)
+    local_shape = tuple(s if n != AXIS else s // procs for n, s in zip(names, shape))
+    if mesh_shape is None or procs == 1:
+        local_grid = np.array(local, dtype=object).reshape(local_shape)
+    else:  # the devices of `grid` in this process, in their mesh order
+        local_grid = grid[np.vectorize(lambda d: d.process_index == me)(grid)].reshape(local_shape)
     return Dist(
         process_index=me,
         process_count=procs,
         local_devices=local,
         devices=devices,
-        mesh=Mesh(np.array(devices), (AXIS,)),
-        local_mesh=Mesh(np.array(local), (AXIS,)),
+        mesh=Mesh(grid, names),
+        local_mesh=Mesh(local_grid, names),
     )
 
 
@@ -495,9 +537,9 @@ def split_by_process(source, index, count, make_part, n_batches: int, who: str):
 def check_batch_divides(width: int | None, dist: Dist, where: str = "the `train` split's batches") -> None:
     """Refuse a train batch that does not divide among the devices (each device takes an equal
     slice of its first dimension)."""
-    if width is None or not dist.sharded or width % dist.local_n_devs == 0:
+    if width is None or not dist.sharded or width % dist.local_data_size == 0:
         return
-    k, procs = dist.local_n_devs, dist.process_count
+    k, procs = dist.local_data_size, dist.process_count
     rows = f"{width} rows per process" if procs > 1 else f"{width} rows"
     lower, upper = (width // k) * k, -(-width // k) * k
     raise ValueError(

@@ -239,6 +239,19 @@ def samples_per_batch(self):
     ``steps_per_sec`` (and, with known FLOPs and peak, ``mfu``) are reported.
     """
 
+@hookspec(firstresult=True)
+def param_sharding(self, path, leaf):
+    """Return where the parameter at ``path`` (a tuple of str/int, as ``param_group`` gets it)
+    lives on the mesh: a ``jax.sharding.PartitionSpec`` over the mesh's axes (named by the
+    ``mesh_shape`` run knob, e.g. ``PartitionSpec(None, "model")`` splits the second dimension
+    over ``"model"``), or ``None`` for the ``sharding`` knob's rule (``"replicated"``: whole on
+    every device; ``"fsdp"``: split over ``"data"``). ``leaf`` is the array as ``build_model``
+    made it (read its ``shape``). Called once per trainable array, at setup; the parameter's
+    optimizer state follows its spec. A spec naming an axis the mesh lacks, or splitting a
+    dimension that does not divide, is refused naming the parameter. No default: without it
+    every parameter follows the ``sharding`` knob.
+    """
+
 
 
 class ExtensionSpec:
@@ -473,7 +486,7 @@ EXPERIMENT_HOOKS = (
     "build_data", "derive", "build_model", "forward", "loss", "metrics", "train_metrics",
     "train_step", "finalize_metrics", "metrics_residency", "param_group", "learning_rate",
     "learning_rate_ratio", "weight_decay", "optimizer", "decay_anchor", "monitor",
-    "keep_float32", "samples_per_batch",
+    "keep_float32", "samples_per_batch", "param_sharding",
 )
 """Names of the experiment hooks, in contract order."""
 

@@ -49,6 +49,8 @@ KNOB_DEFAULTS: dict[str, object] = {
     "precision": "float32",
     "remat": False,
     "device_peak_flops": None,
+    "sharding": "replicated",
+    "mesh_shape": None,
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
 
@@ -168,6 +170,8 @@ class Settings:
     precision: str = "float32"
     remat: object = False
     device_peak_flops: float | None = None
+    sharding: str = "replicated"
+    mesh_shape: dict | None = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -342,6 +346,8 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         device_peak_flops=None if k["device_peak_flops"] is None else float(k["device_peak_flops"]),
         monitor=monitor,
         knobs=dict(knobs),
+        sharding=k["sharding"] or "replicated",
+        mesh_shape=k["mesh_shape"],
     )
 
 

@@ -46,6 +46,7 @@ from .metrics import check_metric_entry
 from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
 from .precision import Policy
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
+from .sharding import constrain
 from .train_metrics_host import host_train_metrics
 
 __all__ = ["ProgramSet", "ModelSkeleton", "split_model"]
@@ -151,7 +152,11 @@ class ProgramSet:
 
     Construct with everything that shapes the graphs; programs are requested
     (and, on first call with a new signature, compiled) lazily by the verbs.
+    ``layout`` (set by setup, :class:`~jaxnitro.sharding.Layout`): with split parameters, the
+    train programs pin the params, gradients and optimizer state they return to it.
     """
+
+    layout = None
 
     def __init__(
         self,
@@ -273,7 +278,17 @@ class ProgramSet:
             stable_key(self.param_def),
             stable_key(self.state_def),
             self.train_metrics_on_host,
-        )
+        ) + self._layout_key()
+
+    def _layout_key(self) -> tuple:
+        """``()`` with every parameter replicated; else the mesh and the specs."""
+        return () if self.layout is None else self.layout.key()
+
+    def _pinned(self, kind: str):
+        """The shardings the train programs pin ``kind`` (``"params"``, ``"opt"``) to, or None."""
+        if self.layout is None or not self.layout.sharded:
+            return None
+        return self.layout.param_shardings if kind == "params" else self.layout.opt_shardings
 
     # The training programs take and return FLAT LEAF LISTS of the parameters, model state
     # and optimizer state: a list of arrays goes through jit's C++ argument path, while an
@@ -291,6 +306,7 @@ class ProgramSet:
             g_leaves = jax.tree_util.tree_leaves(grads)
             if acc is not None:
                 g_leaves = [a + g for a, g in zip(acc, g_leaves)]
+            g_leaves = constrain(g_leaves, self._pinned("params"))
             return (g_leaves, aux), jax.tree_util.tree_leaves(new_state)
 
         return accumulate
@@ -324,6 +340,7 @@ class ProgramSet:
                     p_def, [a + g for a, g in zip(acc, jax.tree_util.tree_leaves(grads))]
                 )
             grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
+            grads = jax.tree_util.tree_unflatten(p_def, constrain(jax.tree_util.tree_leaves(grads), self._pinned("params")))
             grads = opt.clip(grads, hypers)
             rule_state, ema = split_ema(opt_state, opt)
             rule_state = set_hypers(rule_state, opt, hypers)
@@ -333,7 +350,8 @@ class ProgramSet:
                 ema = update_ema(ema, params, hypers[opt.layout.ema_index])
             opt_state = join_ema(rule_state, ema, opt)
             leaves = jax.tree_util.tree_leaves
-            return leaves(params), leaves(new_state), leaves(opt_state), aux
+            return (constrain(leaves(params), self._pinned("params")), leaves(new_state),
+                    constrain(leaves(opt_state), self._pinned("opt")), aux)
 
         return train_step
 
@@ -362,7 +380,8 @@ class ProgramSet:
             if ema is not None:
                 ema = update_ema(ema, params, hypers[opt.layout.ema_index])
             leaves = jax.tree_util.tree_leaves
-            return leaves(params), leaves(model_state), leaves(join_ema(rules, ema, opt)), aux
+            return (constrain(leaves(params), self._pinned("params")), leaves(model_state),
+                    constrain(leaves(join_ema(rules, ema, opt)), self._pinned("opt")), aux)
 
         return train_step
 

@@ -38,6 +38,7 @@ from .progress import SetupSteps
 from .evaluation import check_eval_splits
 from .routing import check_reserved_fields, route_of
 from .schedules import bind_schedules, scheduled_rule_hypers
+from .sharding import check_mesh_shape, check_sharding_knob, param_layout
 from .state import Plan, TrainState
 from .weights import (
     check_ema_knob,
@@ -76,7 +77,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     e = experiment
     hooks = resolve_hooks(e, Defaults())
     settings = _settings(e, kwargs)
-    dist = make_dist(settings.n_devs)
+    dist = make_dist(settings.n_devs, settings.mesh_shape)
     record = find_record(e, kwargs, settings.run_dir, _monitor(e, hooks))  # weights= / resume= checkpoints
     steps.to("building data")
     data, e, derived = _load_data(e, hooks, kwargs, steps, record, dist, settings.seed)
@@ -114,7 +115,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
         schedule_horizon(settings, spe, plan.bindings, record.metadata)
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
-    state, device_values = dist.replicate(state), dist.replicate(device_values)  # n_devs > 1: on every device
+    state, device_values = _place_state(plan, state), dist.replicate(device_values)  # n_devs > 1: on the mesh
     return Built(e, settings, data, plan, state, device_values)
 
 
@@ -137,7 +138,40 @@ def _settings(e, kwargs: dict) -> Settings:
     n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
     logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
     check_precision_knobs(knobs)  # precision, remat, device_peak_flops
-    return dataclasses.replace(_knobs.make_settings(knobs, logger=logger, monitor=None), n_devs=n_devs)
+    sharding = check_sharding_knob(knobs["sharding"].value, knobs["sharding"].source)
+    mesh_shape = check_mesh_shape(knobs["mesh_shape"].value, knobs["mesh_shape"].source, n_devs)
+    _check_mesh_processes(mesh_shape, n_devs, knobs["mesh_shape"].source)
+    return dataclasses.replace(_knobs.make_settings(knobs, logger=logger, monitor=None), n_devs=n_devs,
+                               sharding=sharding, mesh_shape=mesh_shape)
+
+
+def _check_mesh_processes(mesh_shape, n_devs: int, source: str) -> None:
+    """In a multi-process job, the axes other than "data" must stay inside one process (each
+    process feeds its own rows along "data"): their sizes' product divides the devices per process."""
+    procs = jax.process_count()
+    if mesh_shape is None or procs == 1:
+        return
+    inner = n_devs // mesh_shape["data"]
+    if (n_devs // procs) % inner:
+        raise ValueError(
+            f"jaxnitro: run knob `mesh_shape` = {mesh_shape!r} ({source}): its axes other than \"data\" "
+            f"span {inner} devices, more than (or not dividing) the {n_devs // procs} devices of each of the "
+            f"{procs} processes; each process feeds its own rows along \"data\". Make \"data\" a multiple "
+            f"of {procs} (the other axes' product dividing {n_devs // procs})."
+        )
+
+
+def _place_state(plan: Plan, state: TrainState) -> TrainState:
+    """The state on the mesh: params and optimizer state on their layout (``plan.layout``: FSDP,
+    ``param_sharding``), the model state and the run's key replicated. With every parameter
+    replicated, the whole state is replicated, as it always was."""
+    dist, layout = plan.dist, plan.layout
+    if layout is None or not layout.sharded:
+        return dist.replicate(state)
+    params = layout.place_params(state.params)
+    opt_state = state.opt_state if state.opt_state is None else layout.place_opt(state.opt_state)
+    model_state, rng = dist.replicate((state.model_state, state.rng))
+    return state.replace(params=params, opt_state=opt_state, model_state=model_state, rng=rng)
 
 
 def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None, dist=None, seed: int = 0):
@@ -220,6 +254,9 @@ def _build_model(e, plan: Plan, settings: Settings, weights, record=None) -> tup
     else:
         model, model_state = built, None
     params, plan.skeleton = split_model(model)
+    plan.layout = param_layout(e, plan.hooks, params, plan.dist.mesh, settings.sharding, plan.dist.multi_process)
+    if plan.layout.sharded:  # placed now: restored weights land on their shards
+        params = plan.layout.place_params(params)
     state = TrainState(params=params, model_state=model_state, opt_state=None, step=0, epoch=0, rng=run_key)
     plan.weights_from = "build_model (seed %d)" % settings.seed
     initial = state.params
@@ -347,9 +384,13 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
         else:
             plan.tx = plan.opt_spec.transformation()
             opt_state = init_opt_state(plan.opt_spec, plan.tx, state.params, anchor)
+        plan.layout = plan.layout.with_opt(opt_state)  # the optimizer state follows its parameter
+        if plan.layout.sharded:
+            opt_state = plan.layout.place_opt(opt_state)
         state = state.replace(opt_state=opt_state)
     else:
         plan.bindings = bind_schedules(settings.schedules, _device_fields(e), ())
+    plan.programs.layout = plan.layout  # the train programs pin their outputs to it
     return state
 
 

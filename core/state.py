@@ -107,7 +107,9 @@ class Plan:
     - ``dist``: where the handle runs (:class:`~jaxnitro.distributed.Dist`: the data mesh over
       ``n_devs`` devices and the processes of the job);
     - ``weights_meta``: the checkpoint record's metadata (``step``, ``epoch``, ``metrics``, ...)
-      when the weights came from a checkpoint (``weights=``, ``resume=``), else None.
+      when the weights came from a checkpoint (``weights=``, ``resume=``), else None;
+    - ``layout``: where the params and the optimizer state live on the mesh
+      (:class:`~jaxnitro.sharding.Layout`; ``sharding``, ``mesh_shape``, ``param_sharding``).
     """
 
     hooks: dict
@@ -128,6 +130,7 @@ class Plan:
     weights_meta: dict | None = None
     dist: Any = None
     memory: Any = None  # the memory preflight's MemoryReport (jaxnitro.memory), once compiled
+    layout: Any = None
 
 
 @dataclass(frozen=True)

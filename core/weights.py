@@ -214,8 +214,18 @@ def tree_diff_error(diff: list[str], fix: str, graph_note: str = "", keyword: st
 
 
 def abstract(tree):
-    """``tree`` with every array leaf replaced by its ``jax.ShapeDtypeStruct`` (what restores fill)."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    """``tree`` with every array leaf replaced by its ``jax.ShapeDtypeStruct`` (what restores fill).
+
+    A leaf already placed on a mesh (``NamedSharding``: sharded parameters and their optimizer
+    state, placed before the restore) keeps its sharding, so orbax reads each device's shard
+    straight onto it, whatever the device count the checkpoint was written with."""
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    return jax.tree_util.tree_map(spec, tree)
 
 
 # -- the keywords -------------------------------------------------------------------------------

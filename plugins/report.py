@@ -145,16 +145,18 @@ def handle_title(nitro) -> str:
         f"Nitro({type(e).__name__})  status: {nitro.status}\n"
         f"  seed {s.seed} | accum {s.accum} | horizon {horizon} | batch {nitro.plan.width} | "
         f"devices {devices}\n"
-        + _mesh_line(dist, nitro.plan.width)
+        + _mesh_line(dist, nitro.plan.width, getattr(nitro.plan, "layout", None))
         + f"  weights: {nitro.plan.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
         + (f" | EMA of the params (decay {nitro.plan.opt_spec.ema_decay:g})" if ema else "")
     )
 
 
-def _mesh_line(dist, width) -> str:
-    """Data parallel: the mesh, the processes, and how a batch splits (empty on one device)."""
+def _mesh_line(dist, width, layout=None) -> str:
+    """Data parallel: the mesh, the processes, how a batch splits and where the params live
+    (empty on one device)."""
     if dist is None or not dist.sharded:
         return ""
+    axes = dict(zip(dist.mesh.axis_names, dist.mesh.devices.shape))
     procs = (
         f"{dist.process_count} processes x {dist.local_n_devs} devices (this is process {dist.process_index})"
         if dist.multi_process
@@ -162,16 +164,16 @@ def _mesh_line(dist, width) -> str:
     )
     split = ""
     if width is not None:
-        per_device = width // dist.local_n_devs
+        per_device = width // (dist.local_n_devs * axes["data"] // dist.n_devs)
         split = (
             f" | global batch {width * dist.process_count} = {width} per process = {per_device} per device"
             if dist.multi_process
             else f" | batch {width} = {per_device} per device"
         )
-    return (
-        f"  mesh: {dist.n_devs} devices on axis 'data', {procs}{split}; params replicated, "
-        f"batches sharded\n"
-    )
+    mesh = (f"{dist.n_devs} devices on axis 'data'" if len(axes) == 1
+            else f"{dist.n_devs} devices, axes " + " x ".join(f"{a!r} {n}" for a, n in axes.items()))
+    params = layout.describe() if layout is not None else "params replicated"
+    return f"  mesh: {mesh}, {procs}{split}; {params}, batches sharded\n"
 
 
 def _data_band(nitro) -> Band:

@@ -95,8 +95,21 @@ e = Par()
 nitro = jn.Nitro(e, **knobs)
 nitro.train()
 hits, misses, entries = jn.cache_stats()
+
+
+def whole(a):
+    """A global array's value on this process (sharded params of several processes: gathered)."""
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
 result = {
-    "params": [np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(nitro.params)],
+    "params": [whole(a).tolist() for a in jax.tree_util.tree_leaves(nitro.params)],
+    "opt_state": [whole(a).tolist() for a in jax.tree_util.tree_leaves(nitro.opt_state)],
+    "shards": [sorted({tuple(s.data.shape) for s in a.addressable_shards}) for a in jax.tree_util.tree_leaves(nitro.params)],
     "rows": [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.items()} for r in nitro.rows],
     "run_dir": nitro.run_dir,
     "seen": e.seen,
