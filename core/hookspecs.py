@@ -219,7 +219,7 @@ def monitor(self) -> tuple[str, Literal["max", "min"]] | None:
 # -- precision and throughput -------------------------------------------------
 
 @hookspec(firstresult=True)
-def keep_float32(self, path):
+def keep_float32(self, path: tuple) -> bool:
     """Return True to keep the parameter at ``path`` in float32 under ``precision="bfloat16"``.
 
     ``path`` is the parameter's key path as ``param_group`` receives it (a tuple of ``str``
@@ -230,7 +230,7 @@ def keep_float32(self, path):
     """
 
 @hookspec(firstresult=True)
-def samples_per_batch(self):
+def samples_per_batch(self) -> int | dict[str, int]:
     """Say what one train batch holds, for the throughput figures (see docs/precision.md).
 
     Return an ``int`` (samples in one train batch of the whole job: history and log get
@@ -240,7 +240,7 @@ def samples_per_batch(self):
     """
 
 @hookspec(firstresult=True)
-def param_sharding(self, path, leaf):
+def param_sharding(self, path: tuple, leaf: Any) -> Any:
     """Return where the parameter at ``path`` (a tuple of str/int, as ``param_group`` gets it)
     lives on the mesh: a ``jax.sharding.PartitionSpec`` over the mesh's axes (named by the
     ``mesh_shape`` run knob, e.g. ``PartitionSpec(None, "model")`` splits the second dimension

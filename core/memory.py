@@ -133,9 +133,16 @@ def device_capacity(device) -> int | None:
 
 
 def _first_batch(nitro) -> dict:
-    """The train split's first batch, staged as the loop stages a one-step dispatch."""
+    """A train batch (zeros of the first batch's fields, which setup recorded: the source is not
+    read again, a stream not restarted), staged as the loop stages a one-step dispatch."""
     plan = nitro.plan
-    batch = make_transfer(nitro, TRAIN_HOOKS)(peek(nitro.data["train"]))
+    train = nitro.data["train"]
+    specs = getattr(train, "first_batch_spec", None)
+    if specs is None:
+        first = peek(train)
+    else:
+        first = {f: np.zeros((plan.width, *shape), dtype) for f, (shape, dtype) in specs.items()}
+    batch = make_transfer(nitro, TRAIN_HOOKS)(first)
     if any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes):
         batch = {**batch, KEY_DATA: nitro.state.rng, KEY_COUNT: np.uint32(0)}
     return batch
@@ -206,7 +213,7 @@ def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True) -> MemoryR
     capacity = device_capacity(device)
     common = dict(device=f"{device.platform}:{device.id} {device.device_kind}", n_devices=n_devices,
                   capacity=capacity, settings=shown, **arrays)
-    if settings.steps_per_dispatch > 1:
+    if settings.steps_per_dispatch != "auto" and settings.steps_per_dispatch > 1:  # "auto" starts at 1
         note = "steps_per_dispatch > 1: the block program is compiled at its first dispatch"
         return MemoryReport(temp=None, needed=None, flops_per_step=None, note=note, **common)
     o_def = jax.tree_util.tree_structure(state.opt_state)

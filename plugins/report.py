@@ -182,7 +182,7 @@ def _data_band(nitro) -> Band:
         info = src.info() if hasattr(src, "info") else {}
         notes = [info.get("note", "")] + ([] if info.get("ordered", True) else ["UNORDERED: not bitwise reproducible"])
         warn = "; ".join(n for n in notes if n)
-        rows.append((split, len(src), info.get("path", "?"), info.get("workers", "?"),
+        rows.append((split, len(src) if getattr(src, "sized", True) else "stream", info.get("path", "?"), info.get("workers", "?"),
                      info.get("device_batches", "?"), info.get("host_batches", "?"), warn))
     return Band("data", ("split", "batches", "prefetch", "workers", "on device", "on host", "note"), rows)
 
