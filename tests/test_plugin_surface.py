@@ -84,7 +84,10 @@ def third_party(tmp_path):
         yield plugin
 
 
-def test_a_third_party_stop_policy_checkpointer_and_reporter_replace_the_built_ins(tmp_path, third_party):
+def test_a_third_party_stop_policy_checkpointer_and_reporter_replace_the_built_ins(tmp_path, third_party, monkeypatch):
+    from jaxnitro import progress
+
+    monkeypatch.setattr(progress, "_installed", "auto")  # the default, whatever an earlier test installed
     n = jn.Nitro(Tiny(max_epochs=5), run_dir=tmp_path / "runs", logger=None,
                  early_stop=third_party.StopAfter(2), checkpointer=jn.Checkpointer())
     n.train()
