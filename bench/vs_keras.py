@@ -267,6 +267,7 @@ def main(argv=None) -> dict:
             f"keras fit, spe={k}": lambda: KerasFit(x, y, k),
             "jaxnitro, k=1": lambda: Jaxnitro(x, y, 1, tmp, logger),
             f"jaxnitro, k={k}": lambda: Jaxnitro(x, y, k, tmp, logger),
+            "jaxnitro, default (auto)": lambda: Jaxnitro(x, y, "auto", tmp, logger),
         }
         runners = {name: make() for name, make in makers.items()}  # each compiles once, untimed
         names = list(runners)
@@ -288,6 +289,7 @@ def main(argv=None) -> dict:
     for name in names:
         runs = ", ".join(f"{v:.0f}" for v in rates[name])
         print(f"{name:<30} | {med[name]:8.0f} | {med[name] / hand:7.2f} | {med[name] / limit:7.2f} | {runs}")
+    print(f"jaxnitro's default (steps_per_dispatch='auto') / hand-written: {med['jaxnitro, default (auto)'] / hand:.2f}x")
     print(f"jaxnitro / keras: k=1 {med['jaxnitro, k=1'] / med['keras fit, spe=1']:.2f}x, "
           f"k={k} {med[f'jaxnitro, k={k}'] / med[f'keras fit, spe={k}']:.2f}x")
     setup = statistics.median(t for name in names if name.startswith("jaxnitro") for t in runners[name].setups[1:])
