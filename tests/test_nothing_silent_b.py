@@ -26,23 +26,7 @@ from tiny import Tiny
 QUIET = {"logger": None}
 
 
-def leaves(tree):
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
-
-
-def same(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b), strict=True))
-
-
-class Recorder:
-    """The params (host copies) at the end of each epoch's steps."""
-
-    def __init__(self):
-        self.params = {}
-
-    @jn.hookimpl
-    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
-        self.params[epoch] = jax.tree_util.tree_map(np.asarray, run.nitro.state.params)
+from test_checkpoints import Recorder, leaves, same  # noqa: E402  (the same helpers)
 
 
 def steps_kept(run_folder) -> list[int]:
