@@ -174,7 +174,7 @@ class ConsoleLogger:
         elapsed = time.monotonic() - self._started
         last = {"epochs": self._last_epoch, "steps": self._step, "elapsed": f"{elapsed:.1f}s"}
         if self._rates:
-            last["steps_per_sec"] = f"{sum(self._rates) / len(self._rates):.4g}"
+            last["steps_per_sec"] = f"{sum(self._rates) / len(self._rates):.1f}"  # always a decimal point
         self._emit(f"run {status}", last)
 
     # -- queries -----------------------------------------------------------------
