@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batches import batch_width
-from .routing import KEY_COUNT
+from .routing import KEY_COUNT, KEY_DATA
 
 __all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
 
@@ -276,8 +276,6 @@ def _tiled(values: dict, k: int) -> dict:
 def keyed(transfer, key_data, counter, *, with_key: bool = True):
     """Wrap ``transfer`` to add the micro-batch number (``KEY_COUNT``, from ``counter``) and,
     with ``with_key``, the run's base key (``KEY_DATA``; a ``k > 1`` block carries it once)."""
-    from .routing import KEY_DATA
-
     def keyed_transfer(batch):
         batch = transfer(batch)
         if with_key:

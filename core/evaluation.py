@@ -414,6 +414,18 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
     check_monitored_value(name, final[name])
 
 
+def monitored_value(run, row: dict):
+    """``(name, mode, value)`` of the monitored metric in history row ``row`` (checked to be one
+    number: :func:`check_monitored_value`), or None when the run has no ``monitor`` or the row
+    lacks the metric (a row that was not validated). What stop policies read at each row."""
+    monitor = run.monitor
+    if monitor is None or monitor[0] not in row:
+        return None
+    name, mode = monitor
+    check_monitored_value(name, row[name])
+    return name, mode, row[name]
+
+
 def check_monitored_value(name: str, value) -> None:
     """Refuse a monitored metric that is not one number (an array, a string)."""
     shape = np.shape(value)

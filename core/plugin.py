@@ -34,7 +34,7 @@ distribution.
   :func:`method_of`, :func:`summarize_value`, :func:`to_device_value`;
 * run knobs: :data:`RUN_KNOBS`, :data:`KNOB_DEFAULTS`, :data:`HANDLE_KEYWORDS`,
   :data:`SCALAR_KNOBS`, :func:`resolve_knobs`, :func:`require_monitor_and_val`;
-* the monitored metric: :func:`check_monitored_value`, :func:`improves`,
+* the monitored metric: :func:`monitored_value`, :func:`check_monitored_value`, :func:`improves`,
   :func:`best_positions`;
 * data: :func:`as_batch`, :func:`check_fields`, :func:`check_epoch`, :func:`aligned`,
   :class:`ProcessPart`, :func:`split_by_process`;
@@ -63,7 +63,7 @@ from .contracts import (
     StopPolicy,
 )
 from .distributed import ProcessPart, split_by_process
-from .evaluation import check_monitored_value
+from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
 from .experiment import call_method, fields_of, is_experiment, method_of, summarize_value, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
@@ -91,7 +91,7 @@ __all__ = [
     "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "SCALAR_KNOBS", "resolve_knobs",
     "require_monitor_and_val",
     # the monitored metric
-    "check_monitored_value", "improves", "best_positions",
+    "check_monitored_value", "monitored_value", "improves", "best_positions",
     # data
     "as_batch", "check_fields", "check_epoch", "aligned", "ProcessPart", "split_by_process",
     # loggers and progress

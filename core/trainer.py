@@ -365,9 +365,8 @@ class _Run:
         reader = self._reader(epoch, into * self.accum, step)
         try:
             while step < last and outcome is Outcome.COMPLETE:
-                cut = book.next_cut(step, last)
-                if self.probe is not None:
-                    cut = min(cut, self.probe.next_mark(step))
+                due = book.next_cut(step, last)  # where something the book knows is due
+                cut = due if self.probe is None else min(due, self.probe.next_mark(step))
                 dispatcher.annotate = self.run_ctx.step_annotation  # None unless a plugin is profiling
                 reads.clock()
                 leaves, step, outcome = dispatcher.run(
@@ -376,8 +375,8 @@ class _Run:
                 self.publish(leaves, step)
                 if outcome is Outcome.COMPLETE and self.probe is not None and self.probe.due(step):
                     outcome = self._probe_at(step, reader)
-                if outcome is Outcome.COMPLETE and step < last and cut == book.next_cut(cut - 1, last):
-                    outcome = self.at_cut(epoch, step, False, stop)  # a cut inside the epoch
+                if outcome is Outcome.COMPLETE and step == due < last:  # a cut inside the epoch
+                    outcome = self.at_cut(epoch, step, False, stop)
             epoch_done = outcome is Outcome.EXHAUSTED or (self.sized and step == epoch * self.steps_per_epoch)
             if outcome is Outcome.COMPLETE and epoch_done:
                 reader.drain()
@@ -470,7 +469,7 @@ class _Run:
         """A stop was requested: read and emit every step already computed, then raise."""
         if self.reads.read(wait=True):
             self.diverged()
-        why = "max_time reached" if getattr(self.run_ctx, "time_limit_reached", False) else stop_request.status
+        why = "max_time reached" if self.run_ctx.time_limit_reached else stop_request.status
         self.nitro.record.stop_reason = f"{why} at step {self.nitro.step}"
         raise stop_request.exception()
 

@@ -23,7 +23,7 @@ import warnings
 
 import attrs
 
-from jaxnitro.plugin import check_monitored_value, hookimpl, improves, owns_knob, require_monitor_and_val
+from jaxnitro.plugin import hookimpl, improves, monitored_value, owns_knob, require_monitor_and_val
 
 __all__ = ["EarlyStopping"]
 
@@ -111,12 +111,11 @@ def jaxnitro_run_start(run):
 @hookimpl(trylast=True)
 def jaxnitro_epoch_end(run, row):
     """Ask the policy about a validated epoch; request the stop when it says so."""
-    policy, monitor = _own_policy(run), run.monitor
-    if policy is None or monitor is None or monitor[0] not in row:
+    policy = _own_policy(run)
+    got = monitored_value(run, row) if policy is not None else None
+    if got is None:
         return
-    name, mode = monitor
-    value = row[name]
-    check_monitored_value(name, value)
+    name, mode, value = got
     nan = math.isnan(float(value))
     if nan:
         warnings.warn(

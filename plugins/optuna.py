@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 
 import jaxnitro as jn
-from jaxnitro.plugin import check_monitored_value, fields_of, hookimpl, is_experiment, owns_knob, require_monitor_and_val
+from jaxnitro.plugin import fields_of, hookimpl, is_experiment, monitored_value, owns_knob, require_monitor_and_val
 
 __all__ = ["OptunaPruning", "optuna_objective"]
 
@@ -147,12 +147,11 @@ def jaxnitro_run_start(run):
 @hookimpl
 def jaxnitro_epoch_end(run, row):
     """Report a validated epoch to the trial; stop the run when the trial should be pruned."""
-    policy, monitor = _policy(run), run.monitor
-    if policy is None or monitor is None or monitor[0] not in row:
+    policy = _policy(run)
+    got = monitored_value(run, row) if policy is not None else None
+    if got is None:
         return
-    name, mode = monitor
-    value = row[name]
-    check_monitored_value(name, value)
+    name, mode, value = got
     value = float(value)
     step = int(row["epoch"] if policy.report_step == "epoch" else row["step"])
     policy.trial.report(value, step)
