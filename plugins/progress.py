@@ -28,6 +28,7 @@ fractional) and ``close(label)``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -120,8 +121,9 @@ class TqdmReporter:
         where = "stderr" if self.file is None else type(self.file).__name__
         return f"TqdmReporter(file={where}, mininterval={self.mininterval})"
 
-    def begin(self, total: int, label: str) -> None:
-        """Open a bar of ``total`` epochs labelled ``label`` (closing any open one)."""
+    def begin(self, total: int, label: str, unit: str = "epoch") -> None:
+        """Open a bar of ``total`` ``unit``\ s (epochs, or steps for a step-budgeted run)
+        labelled ``label`` (closing any open one)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -142,7 +144,7 @@ class TqdmReporter:
             desc=label,
             file=file,
             bar_format=PHASES_FORMAT if phases else BAR_FORMAT,
-            unit="epoch",
+            unit=unit,
             leave=self.leave,
             disable=False,
             # This class throttles; tqdm draws whenever asked.
@@ -309,11 +311,17 @@ class _RunDisplay:
     ETA come from work actually done; at the end it is the epochs done.
     """
 
+    unit = "epoch"  # what the bar counts
+
     def __init__(self, reporter, total: int, steps_per_epoch: int, monitor):
         self.reporter, self.total, self.steps_per_epoch = reporter, total, max(steps_per_epoch, 1)
         self.monitor = monitor[0] if monitor else None
         self.epoch, self.phase, self.detail, self.position, self.figures = 0, "starting", None, 0.0, ""
-        reporter.begin(total, self.label())
+        begin = reporter.begin  # a reporter may take the unit (optional: the built-in tqdm one does)
+        if "unit" in inspect.signature(begin).parameters:
+            begin(total, self.label(), unit=self.unit)
+        else:
+            begin(total, self.label())
 
     def where(self) -> str:
         """Where the run is: ``epoch 3/40``."""
@@ -358,6 +366,8 @@ class _RunDisplay:
 class _StepDisplay(_RunDisplay):
     """:class:`_RunDisplay` for a step-budgeted run (``max_steps``): the bar counts optimizer
     steps, ``step 3,000/20,000: train | train_loss 0.41``, ending ``done: 20,000/20,000 steps``."""
+
+    unit = "step"
 
     def __init__(self, reporter, total_steps: int, run, monitor):
         self.run = run
