@@ -122,7 +122,7 @@ class TqdmReporter:
         return f"TqdmReporter(file={where}, mininterval={self.mininterval})"
 
     def begin(self, total: int, label: str, unit: str = "epoch") -> None:
-        """Open a bar of ``total`` ``unit``\ s (epochs, or steps for a step-budgeted run)
+        """Open a bar of ``total`` units (``unit``: epochs, or steps for a step-budgeted run)
         labelled ``label`` (closing any open one)."""
         if self._bar is not None:
             self._bar.close()
