@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxnitro.prefetch import NoPrefetch, PrefetchIterator
+from jaxnitro import NoPrefetch
+from jaxnitro.plugins.prefetch import PrefetchIterator
 
 
 class ArraySource:

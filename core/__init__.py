@@ -4,8 +4,9 @@ The public API. See ``docs/`` and ``examples/mnist/mnist_tutorial.py``.
 
 The names below are the core's. Feature plugins add their own through the
 ``jaxnitro_exports`` hook (``jn.EarlyStopping`` from the ``early_stopping``
-plugin, ``jn.set_config_report`` from ``staleness``); they are looked up on
-first use, so a disabled plugin's names are simply absent.
+plugin, ``jn.set_config_report`` from ``staleness``, ``jn.PrefetchIterator`` and
+``jn.check_batch_at`` from ``prefetch``); they are looked up on first use, so a
+disabled plugin's names are simply absent.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from .manual import Optimizers
 from .memory import MemoryReport, WontFitError, memory_report
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
-from .prefetch import NoPrefetch, PrefetchIterator, check_batch_at
-from . import sources as _sources  # noqa: F401 - installs the loader adapter the prefetch wrappers use
+from .source_errors import PrefetchError, SourceLengthError
+from .split_wrapper import NoPrefetch
+from . import sources as _sources  # noqa: F401 - installs the loader adapter the split wrappers use
 from .weights import EMA
 from .progress import progress_note, progress_reporter, with_progress_note
 
@@ -48,7 +50,6 @@ __all__ = [
     "Optimizers",
     "PREEMPTED_EXIT_CODE",
     "Preempted",
-    "PrefetchIterator",
     "RunContext",
     "Settings",
     "StepStretch",
@@ -56,7 +57,6 @@ __all__ = [
     "Terminated",
     "backend",
     "cache_stats",
-    "check_batch_at",
     "clear_cache",
     "compile_view",
     "distributed",
@@ -77,6 +77,8 @@ __all__ = [
     "setup_devices",
     "train",
     "with_progress_note",
+    "PrefetchError",
+    "SourceLengthError",
 ]
 
 _looking_up: set[str] = set()

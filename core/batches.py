@@ -7,9 +7,12 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from .prefetch import NoPrefetch, PrefetchIterator, is_addressable
-from .prefetch.contract import adapted
-from .prefetch.failures import SourceLengthError, failure_error
+from .contracts import PREFETCHER_MEMBERS, Prefetcher
+from .hookcalls import latest_answers
+from .plugin_manager import first_result
+from .source_contract import adapted, is_addressable
+from .source_errors import SourceLengthError, failure_error
+from .split_wrapper import NoPrefetch
 
 __all__ = [
     "batch_width", "check_batch_first", "check_is_dict", "pad_batch", "slice_outputs", "peek",
@@ -119,7 +122,7 @@ def slice_outputs(outputs, n: int, width: int):
 
 def is_sized(source) -> bool:
     """Whether ``source`` (a split, wrapped or not) has a ``len()``; a stream has none."""
-    if isinstance(source, (PrefetchIterator, NoPrefetch)):
+    if isinstance(source, Prefetcher):
         return source.sized
     try:
         len(source)
@@ -129,8 +132,8 @@ def is_sized(source) -> bool:
 
 
 def unwrap(source):
-    """The user's source inside a PrefetchIterator/NoPrefetch wrapper."""
-    return getattr(source, "source", source) if isinstance(source, (PrefetchIterator, NoPrefetch)) else source
+    """The user's source inside a wrapped split (a :class:`~jaxnitro.contracts.Prefetcher`)."""
+    return source.source if isinstance(source, Prefetcher) else source
 
 
 def peek(source, epoch: int = 1):
@@ -192,11 +195,18 @@ def last_batch(source, epoch: int = 1):
 
 
 def wrap_split(source, split: str):
-    """Wrap a split in a PrefetchIterator unless it already is one (or NoPrefetch)."""
-    if isinstance(source, (PrefetchIterator, NoPrefetch)):  # adapted when it was built
+    """The split as the loop reads it: a :class:`~jaxnitro.contracts.Prefetcher`.
+
+    A split that is one already (``jn.PrefetchIterator(...)``, ``jn.NoPrefetch(...)``, a
+    plugin's) is used as it is; any other is adapted (``jaxnitro_adapt_source``), checked,
+    and wrapped by the plugin that answers ``jaxnitro_make_prefetcher`` (once per split,
+    here at setup; the built-in ``prefetch`` plugin's ``PrefetchIterator``), or, when none
+    does, in the core's serial :class:`~jaxnitro.split_wrapper.NoPrefetch`.
+    """
+    if isinstance(source, Prefetcher):  # adapted when it was built
         return _named(source, split)
     source = adapted(source, split)  # a plugin knows this loader type (grain, torch, ...)
-    if isinstance(source, (PrefetchIterator, NoPrefetch)):
+    if isinstance(source, Prefetcher):
         return _named(source, split)
     if isinstance(source, Mapping):
         raise TypeError(
@@ -209,15 +219,36 @@ def wrap_split(source, split: str):
             f"iterable of batch dicts with len() (or a list of batches). Only the `train` split "
             f"may be a stream without one, in a run bounded by max_steps."
         )
-    return _named(PrefetchIterator(source), split)
+    made = first_result("jaxnitro_make_prefetcher", source=source, split=split)
+    if made is None:  # no prefetching plugin: read serially, in the consumer's thread
+        return _named(NoPrefetch(source), split)
+    if not isinstance(made, Prefetcher):
+        raise TypeError(_not_a_prefetcher(made, split))
+    return _named(made, split)
+
+
+def _not_a_prefetcher(made, split: str) -> str:
+    """The refusal of a ``jaxnitro_make_prefetcher`` answer without a prefetcher's members."""
+    who = [a.plugin for a in latest_answers()
+           if a.hook == "jaxnitro_make_prefetcher" and a.question == f"split={split!r}"]
+    missing = [m for m in PREFETCHER_MEMBERS if not hasattr(made, m)]
+    return (
+        f"jaxnitro: plugin `{who[-1] if who else '?'}` answered jaxnitro_make_prefetcher for split "
+        f"`{split}` with a {type(made).__name__}, which lacks {', '.join(missing)}. A prefetcher has "
+        f"source, sized, split, len(), epoch(epoch, transfer=None, start=0), release() and info() "
+        f"(jaxnitro.plugin.Prefetcher). Fix: return such an object (jaxnitro.plugin.SplitWrapper "
+        f"is a base with all of them), or None to leave the split to another plugin."
+    )
 
 
 def _named(wrapper, split: str):
-    """Give ``wrapper`` its split's name (for messages) unless it has one already."""
+    """Give ``wrapper`` its split's name (for messages) unless it has one already; then
+    call its optional ``adopt(split)``."""
     if getattr(wrapper, "split", None) is None:
         wrapper.split = split
-    if isinstance(wrapper, PrefetchIterator):
-        wrapper.warn_one_producer(wrapper.split)
+    adopt = getattr(wrapper, "adopt", None)
+    if callable(adopt):
+        adopt(wrapper.split)
     return wrapper
 
 

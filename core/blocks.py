@@ -21,7 +21,7 @@ scarce (page faults), against ~100 ms for ``jax.device_put`` of the unaligned ar
 source.
 
 The contract (an optional part of a source's, see
-:mod:`jaxnitro.prefetch.contract`): ``columns()`` returns ``{field: in-memory array}``
+:mod:`jaxnitro.source_contract`): ``columns()`` returns ``{field: in-memory array}``
 (or None when it cannot, e.g. memory-mapped fields), ``order(epoch)`` the epoch's row
 order, and ``batch_size`` its rows per batch, such that batch ``i`` of epoch ``e`` is
 ``{f: columns[f][order(e)[i * batch_size:(i + 1) * batch_size]]}``, exactly what

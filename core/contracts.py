@@ -11,7 +11,7 @@ This module imports nothing of jaxnitro, so every core module may use it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -21,6 +21,8 @@ __all__ = [
     "IndexedSource",
     "LOGGER_VERBS",
     "Logger",
+    "PREFETCHER_MEMBERS",
+    "Prefetcher",
     "REPORTER_METHODS",
     "Reporter",
     "Source",
@@ -109,6 +111,59 @@ class IndexedSource(Protocol):
     def begin_epoch(self, epoch: int) -> None: ...
 
     def batch_at(self, i: int) -> Batch: ...
+
+
+PREFETCHER_MEMBERS = ("source", "sized", "split", "__len__", "epoch", "release", "info")
+"""The members every prefetcher has (those of :class:`Prefetcher`)."""
+
+
+@runtime_checkable
+class Prefetcher(Protocol):
+    """A wrapped split: what the loop reads a split's epochs from.
+
+    Setup wraps every split in one, through ``jaxnitro_make_prefetcher`` (the built-in
+    ``prefetch`` plugin's ``jn.PrefetchIterator``; with no answer the core's serial
+    ``jn.NoPrefetch``), unless ``build_data`` returned one already, which is used as it is.
+    The core reads a prefetcher only through these members, never per batch but per pass:
+
+    - ``source``: the source it reads (adapted: ``jaxnitro_adapt_source``); the core reads
+      ``batch_at``/``begin_epoch``/``columns`` on it directly where it needs one batch
+      (setup's checks, ``predict``'s example, a divergence's report), never ``iter()``;
+    - ``sized``: whether it has ``len()`` (False: a stream, the train split of a run bounded
+      by ``max_steps``);
+    - ``split``: the split's name for messages; None until setup names it (the core sets it
+      when it is None);
+    - ``len()``: batches per epoch (``TypeError`` for a stream);
+    - ``epoch(epoch, transfer=None, start=0)``: one pass, an iterator of batches in index
+      order from batch ``start`` on, each passed through ``transfer`` (the host-to-device
+      copy of the routed fields) before it is delivered; nothing may happen before its
+      first ``next()``, and closing it (or dropping it) ends the pass. A batch that cannot
+      be produced raises ``jaxnitro.PrefetchError`` naming the index (``SourceLengthError``
+      when an iterated source yields other than ``len()`` batches);
+    - ``release()``: stop any open pass and call ``source.release()`` when defined (once,
+      at a run's end);
+    - ``info()``: how the split is read, for the binding report and ``run_params``: a dict
+      with any of ``path``, ``workers``, ``device_batches``, ``host_batches``, ``ordered``,
+      ``addressable``, ``note`` (those missing show as ``?``).
+
+    Optional: ``adopt(split)``, called once at setup after ``split`` is set (the built-in
+    warns there when a source that is not index-addressable gets one producer where the
+    default would run several). Setup also sets ``first_batch_spec`` on the train split's
+    prefetcher (what ``predict`` compares its inputs with). ``jaxnitro.plugin.SplitWrapper``
+    is a base that implements all of it, reading serially; a subclass overrides ``_stream``.
+    """
+
+    source: Any
+    sized: bool
+    split: str | None
+
+    def __len__(self) -> int: ...
+
+    def epoch(self, epoch: int, transfer: Callable[[Batch], Any] | None = None, start: int = 0) -> Iterator[Any]: ...
+
+    def release(self) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable

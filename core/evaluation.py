@@ -18,7 +18,7 @@ import numpy as np
 from .batches import batch_width, field_specs, last_batch, pad_batch, peek, slice_outputs, unwrap
 from .history import FIXED_COLUMNS
 from .metrics import MetricAccumulator, check_metric_entry
-from .prefetch import is_addressable
+from .source_contract import is_addressable
 from .routing import KEY, KEY_COUNT, KEY_DATA, check_reserved_fields
 
 __all__ = ["evaluate_split", "predict_batch", "make_transfer", "check_eval_splits", "check_metric_names"]

@@ -6,7 +6,7 @@ does not say is *who* answered a ``firstresult`` hook, nor which plugin returned
 item of a collected hook, nor does it go on to the next implementation when one
 raises. The :class:`Manager` adds those without calling implementations itself: when
 a plugin is registered, each of its (non-wrapper) implementations of an *observed*
-hook (:data:`OBSERVED`: the ``firstresult`` extension hooks, ``jaxnitro_exports`` and
+hook (:func:`observed_hook`: every ``firstresult`` extension hook, ``jaxnitro_exports`` and
 ``jaxnitro_run_finish``) is wrapped so that, inside a :func:`call`, it notes its result
 (and, for a call made with ``guard=True``, catches its exception and notes that
 instead, so pluggy goes on to the next plugin). Outside a :func:`call` the wrapped
@@ -41,6 +41,7 @@ __all__ = [
     "forget_answers",
     "knob_owner",
     "latest_answers",
+    "observed_hook",
     "recording",
 ]
 
@@ -52,6 +53,7 @@ QUESTION_ARGS = {
     "jaxnitro_render_history": "format",
     "jaxnitro_describe": "format",
     "jaxnitro_load_weights": "purpose",
+    "jaxnitro_make_prefetcher": "split",
 }
 """The argument that tells one question of a ``firstresult`` hook from another (the logger's
 name, the knob's name, ...); a hook not listed asks one question."""
@@ -62,7 +64,18 @@ OBSERVED = frozenset({
     "jaxnitro_describe", "jaxnitro_plot", "jaxnitro_load_weights", "jaxnitro_exports",
     "jaxnitro_run_ending", "jaxnitro_run_finish",
 })
-"""The hooks whose implementations note their results (and, in a guarded call, their errors)."""
+"""The hooks whose implementations note their results (and, in a guarded call, their errors),
+besides every ``firstresult`` extension hook (:func:`observed_hook`), listed or not."""
+
+
+def observed_hook(caller) -> bool:
+    """Whether the implementations of hook ``caller`` (a pluggy ``HookCaller``) note their
+    results: one in :data:`OBSERVED`, or any ``firstresult`` extension hook (a ``jaxnitro_``
+    name), so that a hook added to the specs is recorded without being listed here."""
+    if caller.name in OBSERVED:
+        return True
+    spec = caller.spec
+    return caller.name.startswith("jaxnitro_") and spec is not None and bool(spec.opts.get("firstresult"))
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,7 @@ class Manager(pluggy.PluginManager):
         if registered is None:
             return None
         for caller in self.get_hookcallers(plugin) or ():
-            if caller.name not in OBSERVED:
+            if not observed_hook(caller):
                 continue
             for impl in caller.get_hookimpls():
                 if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):

@@ -25,7 +25,8 @@ view (Device values traced, Host fields stripped) in traced hooks
 **Extension hooks** (:class:`ExtensionSpec`) answer one question each
 (``firstresult``): make a logger from a name, choose the default logger,
 adapt a foreign data source, make a progress reporter, accept a run knob,
-render a history, describe a handle, export public names.
+render a history, describe a handle, export public names, load weights, wrap a
+split in a prefetcher.
 
 **Lifecycle hooks** (:class:`LifecycleSpec`) are called for every plugin at
 fixed points: each setup step, a run's start, a phase's start, a stretch of
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
 
     import jax
 
-    from .contracts import IndexedSource, Logger, Reporter, Source
+    from .contracts import IndexedSource, Logger, Prefetcher, Reporter, Source
     from .distributed import Dist
     from .events import RunContext, StepStretch
     from .handle import Nitro
@@ -372,6 +373,27 @@ class ExtensionSpec:
         naming the path and the fix for a corrupt or incomplete checkpoint. Nothing is
         read into memory but the record's metadata: the core checks it against the
         experiment before it calls ``record.restore``.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_make_prefetcher(self, source: Source | IndexedSource, split: str) -> Prefetcher | None:
+        """Wrap split ``split``'s ``source`` in the prefetcher the loop reads it through, or return ``None``.
+
+        Asked once per split when a handle is built (setup's ``"building data"`` step), after
+        ``jaxnitro_adapt_source``, for every split ``build_data`` (or ``data=``) did not return
+        wrapped already (a :class:`jaxnitro.plugin.Prefetcher`, e.g. ``jn.PrefetchIterator(src,
+        workers=2)`` or ``jn.NoPrefetch(src)``, is used as it is). ``source`` is a jaxnitro
+        source: it has ``len()`` unless ``split`` is ``"train"`` and it is an iterable stream;
+        it is iterable, or index-addressable (``batch_at``/``begin_epoch``), or a list of batches.
+
+        The answer must have the :class:`jaxnitro.plugin.Prefetcher` members (``source``,
+        ``sized``, ``split``, ``len()``, ``epoch(epoch, transfer=None, start=0)``, ``release()``,
+        ``info()``); the core refuses another answer at setup, naming the plugin. The loop calls
+        its ``epoch(...)`` once per pass (a training epoch, an evaluation), never this hook per
+        batch; delivering in index order keeps a fixed seed reproducing a run bitwise.
+        With no answer, the core reads the split serially with its ``jn.NoPrefetch`` (the
+        fallback). The built-in ``prefetch`` plugin answers ``jn.PrefetchIterator(source)``
+        (``trylast``): ordered producer threads and transfers staged one batch ahead.
         """
 
 

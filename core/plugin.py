@@ -15,7 +15,8 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 
 **Shapes** (``typing.Protocol``, ``runtime_checkable``): :class:`Logger`,
 :class:`Reporter`, :class:`Source`, :class:`IndexedSource`, :class:`StopPolicy`,
-:class:`Checkpointer`, :class:`Exporter`.
+:class:`Checkpointer`, :class:`Exporter`, :class:`Prefetcher` (a wrapped split,
+``jaxnitro_make_prefetcher``'s answer).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -42,7 +43,14 @@ distribution.
   :func:`current_note`;
 * checkpoints: :class:`WeightsRecord`, :class:`NoCheckpointError`, :func:`incompatibility`,
   :func:`jsonable`, :func:`from_jsonable`, :func:`tree_listing`, :func:`ema_of`,
-  :func:`rule_state_of`, :data:`HYPERS`.
+  :func:`rule_state_of`, :data:`HYPERS`;
+* reading a split (what a prefetcher plugin builds on): :class:`SplitWrapper` (a base with
+  the :class:`Prefetcher` members, reading serially; subclasses override ``_stream``),
+  :class:`EpochStream`, :class:`NoPrefetch` (the core's fallback), the serial pass
+  (:func:`host_items`, :func:`transferred`, :func:`serial`, :func:`skipped`), the source
+  contract (:func:`is_addressable`, :func:`accessors`, :func:`adapted`, :func:`length_of`,
+  :func:`describe`) and its errors (:class:`PrefetchError`, :class:`SourceLengthError`,
+  :func:`failure_error`).
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ from .contracts import (
     Exporter,
     IndexedSource,
     Logger,
+    PREFETCHER_MEMBERS,
+    Prefetcher,
     Reporter,
     Source,
     StopPolicy,
@@ -73,7 +83,10 @@ from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl,
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
 from .logger import scalar_value
 from .optim import HYPERS, ema_of, rule_state_of
-from .prefetch.contract import check_epoch
+from .serial_pass import host_items, serial, skipped, transferred
+from .source_contract import accessors, adapted, check_epoch, describe, is_addressable, length_of
+from .source_errors import PrefetchError, SourceLengthError, failure_error
+from .split_wrapper import EpochStream, NoPrefetch, SplitWrapper
 from .progress import current_note, make_reporter
 from .sources import as_batch, check_fields
 from .weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
@@ -83,7 +96,7 @@ __all__ = [
     "hookimpl", "hookspec", "ExtensionSpec", "LifecycleSpec", "EXPERIMENT_HOOKS",
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
-    "StopPolicy", "Checkpointer", "Exporter",
+    "StopPolicy", "Checkpointer", "Exporter", "Prefetcher", "PREFETCHER_MEMBERS",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs
@@ -99,6 +112,10 @@ __all__ = [
     # checkpoints
     "WeightsRecord", "NoCheckpointError", "incompatibility", "jsonable", "from_jsonable",
     "tree_listing", "ema_of", "rule_state_of", "HYPERS",
+    # reading a split (the prefetch plugin builds on these)
+    "SplitWrapper", "EpochStream", "NoPrefetch", "host_items", "serial", "skipped", "transferred",
+    "accessors", "adapted", "describe", "is_addressable", "length_of",
+    "PrefetchError", "SourceLengthError", "failure_error",
 ]
 
 

@@ -30,7 +30,7 @@ from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
 from .optim import build_optimizer_spec, init_opt_state, with_ema
 from .plugin_manager import resolve_hooks
-from .prefetch.contract import bind_seed
+from .source_contract import bind_seed
 from .precision import check_knobs as check_precision_knobs
 from .precision import make_policy
 from .programs import ProgramSet, split_model

@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .plugin_manager import first_result
-from .prefetch import is_addressable
-from .prefetch.contract import adapted, use_adapter
+from .source_contract import adapted, is_addressable, use_adapter
 
 __all__ = ["adapt_source", "as_batch", "batches_of", "check_fields", "release_sources"]
 
@@ -25,7 +24,7 @@ __all__ = ["adapt_source", "as_batch", "batches_of", "check_fields", "release_so
 def adapt_source(source, split: str | None):
     """What a plugin's ``jaxnitro_adapt_source`` makes of ``source`` (a foreign loader), or None.
 
-    Installed as the prefetch wrappers' adapter (``jaxnitro.prefetch.contract.use_adapter``), so
+    Installed as the split wrappers' adapter (``jaxnitro.source_contract.use_adapter``), so
     ``PrefetchIterator(loader)`` and ``NoPrefetch(loader)`` adapt the loader too."""
     return first_result("jaxnitro_adapt_source", source=source, split=split)
 

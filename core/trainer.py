@@ -34,8 +34,7 @@ from .interrupts import request as stop_request
 from .logger import LoggerRelay, make_loggers
 from .memory import preflight
 from .plugin_manager import plugin_manager
-from .prefetch import is_addressable
-from .prefetch.contract import accessors
+from .source_contract import accessors, is_addressable
 from .progress import phase_start
 from .reads import StepReads, step_scalars
 from .run_lock import hold_run_folder

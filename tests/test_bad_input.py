@@ -16,7 +16,7 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro import Device
-from jaxnitro.prefetch import SourceLengthError
+from jaxnitro import SourceLengthError
 from jaxnitro.routing import BatchFieldError
 from tiny import N_CLASSES, Tiny, TinyCore, batches, fresh_tiny, make_arrays, tiny_data
 

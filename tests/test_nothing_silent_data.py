@@ -25,8 +25,8 @@ import structlog
 
 import jaxnitro as jn
 import jaxnitro.exports  # noqa: F401 - jn.ArraySource and the adapters' names
-from jaxnitro.prefetch import PrefetchError, SourceLengthError
-from jaxnitro.prefetch import wrappers as wrappers_mod
+from jaxnitro import PrefetchError, SourceLengthError
+from jaxnitro.plugins.prefetch import wrappers as wrappers_mod
 from tiny import Tiny, make_arrays, tiny_data
 
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import structlog
 
-from jaxnitro.prefetch import NoPrefetch, PrefetchIterator, check_batch_at
-from jaxnitro.prefetch import PrefetchError, is_addressable
+from jaxnitro import NoPrefetch, PrefetchError
+from jaxnitro.plugin import is_addressable
+from jaxnitro.plugins.prefetch import PrefetchIterator, check_batch_at
 
 
 class Source:

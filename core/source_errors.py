@@ -1,10 +1,15 @@
-"""How a failure to produce or transfer a batch reaches the consumer.
+"""The errors a split's reading raises: a batch that could not be produced, a wrong ``len()``.
 
 In: the exception that ``batch_at``, the source's iterator or ``transfer``
 raised, with the batch index and epoch. Out: a :class:`PrefetchError` naming
 them, with that exception as its ``__cause__``, for the consumer's thread to
-raise. A producer thread hands its exception over as a :class:`Failure` in
-place of a batch.
+raise (:func:`failure_error`). Raised by setup's reads of a split's first and
+last batch, by the serial pass (:mod:`jaxnitro.serial_pass`) and by any
+prefetcher (the ``prefetch`` plugin's producer threads hand their exception to
+the consumer, which raises this). Public as ``jaxnitro.PrefetchError`` and
+``jaxnitro.SourceLengthError``.
+
+This module imports no other part of jaxnitro.
 """
 
 from __future__ import annotations
@@ -74,16 +79,6 @@ class SourceLengthError(PrefetchError, ValueError):
         err.split, err.length, err.count = split, length, index
         err.__cause__ = exc
         return err
-
-
-class Failure:
-    """A producer's exception, carried to the consumer in place of a batch."""
-
-    __slots__ = ("index", "exc")
-
-    def __init__(self, index: int, exc: BaseException):
-        self.index = index
-        self.exc = exc
 
 
 def failure_error(

@@ -5,8 +5,9 @@ In: a source, an epoch and a worker count. :meth:`Producers.start` calls
 ``jaxnitro-prefetch-<n>``, or ``jaxnitro-prefetch-iter`` for the one thread
 iterating a source that is not addressable). Out: an iterator of ``(index,
 batch)`` pairs, in index order when ``ordered``, else as they complete. A
-failure in the source is raised from that iterator as a ``PrefetchError`` at
-the failed batch's turn. :meth:`Producers.stop` (always call it) stops and
+failure in the source is carried to the consumer as a :class:`Failure` in
+place of a batch, and raised from that iterator as a ``PrefetchError`` at the
+failed batch's turn. :meth:`Producers.stop` (always call it) stops and
 joins every thread and drops whatever was produced ahead.
 """
 
@@ -21,9 +22,7 @@ from typing import Any
 
 import structlog
 
-from .contract import accessors
-from .failures import Failure, SourceLengthError, failure_error
-from .staging import length_of, skipped
+from jaxnitro.plugin import SourceLengthError, accessors, failure_error, length_of, skipped
 
 #: Longest time, in seconds, that tearing down an epoch stream waits for a
 #: producer thread that is still inside ``batch_at`` or the source's iterator.
@@ -35,6 +34,16 @@ JOIN_TIMEOUT_S = 30.0
 _THREAD_PREFIX = "jaxnitro-prefetch"
 
 _END = object()  # the iterating producer ran out of batches
+
+
+class Failure:
+    """A producer's exception, carried to the consumer in place of a batch."""
+
+    __slots__ = ("index", "exc")
+
+    def __init__(self, index: int, exc: BaseException):
+        self.index = index
+        self.exc = exc
 
 
 class Producers:
