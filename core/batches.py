@@ -234,7 +234,7 @@ def _not_a_prefetcher(made, split: str) -> str:
     missing = [m for m in PREFETCHER_MEMBERS if not hasattr(made, m)]
     return (
         f"jaxnitro: plugin `{who[-1] if who else '?'}` answered jaxnitro_make_prefetcher for split "
-        f"`{split}` with a {type(made).__name__}, which lacks {', '.join(missing)}. A prefetcher has "
+        f"`{split}` with an instance of {type(made).__name__}, which lacks {', '.join(missing)}. A prefetcher has "
         f"source, sized, split, len(), epoch(epoch, transfer=None, start=0), release() and info() "
         f"(jaxnitro.plugin.Prefetcher). Fix: return such an object (jaxnitro.plugin.SplitWrapper "
         f"is a base with all of them), or None to leave the split to another plugin."

@@ -82,16 +82,6 @@ def third_party(tmp_path):
         yield plugin
 
 
-@pytest.fixture
-def no_prefetch_plugin(monkeypatch):
-    monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", "prefetch")
-    jn.reload_plugins()
-    assert "prefetch" not in [p.name for p in jn.plugins_info()]
-    yield
-    monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS", raising=False)
-    jn.reload_plugins()
-
-
 class Shuffled:
     """Index-addressable, reshuffled per epoch; records the threads that read it."""
 
@@ -166,7 +156,7 @@ def test_a_prefetcher_answer_without_the_members_is_refused_naming_the_plugin(tm
     with pytest.raises(TypeError) as err:
         jn.Nitro(Tiny(), data=tiny_data(), run_dir=tmp_path, logger=None)
     msg = str(err.value)
-    assert "plugin `prefetch_test` answered jaxnitro_make_prefetcher for split `train` with a object" in msg
+    assert "plugin `prefetch_test` answered jaxnitro_make_prefetcher for split `train` with an instance of object" in msg
     assert "lacks source, sized, split, __len__, epoch, release, info" in msg
     assert "jaxnitro.plugin.Prefetcher" in msg and "or None" in msg
 
