@@ -41,7 +41,7 @@ REPORTER_METHODS = ("begin", "update", "close")
 class Logger(Protocol):
     """What the ``logger`` knob's objects (and ``jaxnitro_make_logger``'s answers) offer.
 
-    The run's :class:`~jaxnitro.logger.LoggerRelay` calls the verbs from lifecycle
+    The ``logger_relay`` plugin (:mod:`jaxnitro.plugins.logger_relay`) calls the verbs from lifecycle
     events; a logger that raises gets nothing more that run (the others go on).
     Optional verbs, called only when the logger has them: ``info() -> dict`` (what
     identifies it: a path, a URL; ``jn.logger_info``), ``backend`` (the wrapped

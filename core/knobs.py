@@ -18,44 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .experiment import call_method, fields_of, method_of, method_owner
-from .logger import DEFAULT_LOGGER
+from .knob_table import KNOB_DEFAULTS, PLUGIN_KNOBS, RUN_KNOBS
 
 __all__ = [
     "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "PLUGIN_KNOBS", "ResolvedKnob", "Settings",
     "check_keywords", "make_settings", "require_monitor_and_val", "resolve_knobs",
 ]
 
-KNOB_DEFAULTS: dict[str, object] = {
-    "seed": 0,
-    "run_dir": "runs",
-    "n_devs": None,
-    "accum": 1,
-    "steps_per_dispatch": "auto",
-    "max_epochs": 10,
-    "max_steps": None,
-    "val_every_n_steps": None,
-    "max_time": None,
-    "schedule_horizon": None,
-    "schedules": None,
-    "gradient_clip_norm": 0.0,
-    "check_divergence": True,
-    "autolog_schedules": True,
-    "log_every_n_steps": 1,
-    "logger": DEFAULT_LOGGER,
-    "checkpointer": None,
-    "early_stop": None,
-    "ema": None,
-    "profile": None,
-    "precision": "float32",
-    "remat": False,
-    "device_peak_flops": None,
-    "sharding": "replicated",
-    "mesh_shape": None,
-}
-RUN_KNOBS = tuple(KNOB_DEFAULTS)
-
-PLUGIN_KNOBS = ("early_stop", "checkpointer", "profile")
-"""Knobs the core does not act on itself: a plugin must accept them (``jaxnitro_accept_knob``)."""
+# KNOB_DEFAULTS, RUN_KNOBS, PLUGIN_KNOBS and DEFAULT_LOGGER live in jaxnitro.knob_table (a leaf module).
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
 
@@ -172,6 +142,7 @@ class Settings:
     device_peak_flops: float | None = None
     sharding: str = "replicated"
     mesh_shape: dict | None = None
+    compilation_cache: object = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -348,6 +319,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         knobs=dict(knobs),
         sharding=k["sharding"] or "replicated",
         mesh_shape=k["mesh_shape"],
+        compilation_cache=k["compilation_cache"],
     )
 
 

@@ -38,12 +38,13 @@ distribution.
   :func:`best_positions`;
 * data: :func:`as_batch`, :func:`check_fields`, :func:`check_epoch`, :func:`aligned`,
   :class:`ProcessPart`, :func:`split_by_process`;
-* loggers and progress: :func:`scalar_value`, :data:`LOGGER_VERBS`, :func:`make_reporter`,
-  :func:`current_note`;
+* loggers and progress: :func:`scalar_value`, :data:`LOGGER_VERBS`, :func:`identify_logger`,
+  :func:`describe`, :func:`make_reporter`, :func:`current_note`;
 * checkpoints: :class:`WeightsRecord`, :class:`NoCheckpointError`, :func:`incompatibility`,
   :func:`jsonable`, :func:`from_jsonable`, :func:`tree_listing`, :func:`ema_of`,
   :func:`rule_state_of`, :data:`HYPERS`;
 * export: :class:`InferenceProgram` (what ``jaxnitro_export`` gets), :func:`pad_batch`.
+* the persistent compilation cache: :data:`CACHE_ENV`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import sys
 
 from .batches import pad_batch
 from .blocks import aligned
+from .cache import CACHE_ENV
 from .contracts import (
     LOGGER_VERBS,
     REPORTER_METHODS,
@@ -64,17 +66,18 @@ from .contracts import (
     Source,
     StopPolicy,
 )
+from .describe import describe, summarize_value
 from .distributed import ProcessPart, split_by_process
 from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
-from .experiment import call_method, fields_of, is_experiment, method_of, summarize_value, to_device_value
+from .experiment import call_method, fields_of, is_experiment, method_of, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
 from .plugin_manager import answer_source
 from .history import best_positions, improves
 from .inference import InferenceProgram
 from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
-from .logger import scalar_value
+from .logger import identify_logger, scalar_value
 from .optim import HYPERS, ema_of, rule_state_of
 from .prefetch.contract import check_epoch
 from .progress import current_note, make_reporter
@@ -98,12 +101,14 @@ __all__ = [
     # data
     "as_batch", "check_fields", "check_epoch", "aligned", "ProcessPart", "split_by_process",
     # loggers and progress
-    "scalar_value", "make_reporter", "current_note",
+    "scalar_value", "make_reporter", "current_note", "identify_logger", "describe",
     # checkpoints
     "WeightsRecord", "NoCheckpointError", "incompatibility", "jsonable", "from_jsonable",
     "tree_listing", "ema_of", "rule_state_of", "HYPERS",
     # export
     "InferenceProgram", "pad_batch",
+    # the persistent compilation cache
+    "CACHE_ENV",
 ]
 
 

@@ -12,7 +12,6 @@ between epochs, so dispatch runs ahead of compute as in a hand-written
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
 import time
@@ -31,9 +30,9 @@ from .events import RunContext, emit, emit_finish, run_scoped
 from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
-from .logger import LoggerRelay, make_loggers
+from .logger import check_loggers, make_loggers
 from .memory import preflight
-from .plugin_manager import plugin_manager
+from .plugin_manager import disabled_note, first_result, plugin_manager
 from .prefetch import is_addressable
 from .prefetch.contract import accessors
 from .progress import phase_start
@@ -56,34 +55,34 @@ CPU_SHARDED_IN_FLIGHT = 16
 """The most optimizer steps queued ahead of the host in a run sharded over several CPU devices."""
 
 
-def new_run_folder(root: str) -> str:
-    """Create and return a fresh ``root/<timestamp>-<n>`` folder; never reuses an existing one.
+def new_run_folder(root: str, experiment=None) -> str:
+    """Create and return a fresh run folder under ``root``, named by the
+    ``jaxnitro_new_run_folder`` hook (built in: ``root/<timestamp>-<n>``); never an existing one.
 
     Raises ``OSError`` (its own subclass) naming the folder, the cause and the fix when
-    ``root`` is a file or cannot be written.
+    ``root`` is a file or cannot be written, and ``RuntimeError`` when no plugin answers the
+    hook or the answer is no folder.
     """
     root = os.path.abspath(root)
     try:
-        return _new_folder(root)
+        folder = first_result("jaxnitro_new_run_folder", root=root, experiment=experiment)
     except OSError as err:
         cause = "it is a file, not a folder" if os.path.isfile(root) else (err.strerror or repr(err))
         raise type(err)(
             f"jaxnitro: cannot create a run folder under run_dir={root!r}: {cause}. Pass a "
             f"writable folder as `run_dir` (it is created if missing)."
         ) from err
-
-
-def _new_folder(root: str) -> str:
-    os.makedirs(root, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    n = 1
-    while True:
-        path = os.path.join(root, f"{stamp}-{n}")
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            n += 1
+    if folder is None:
+        raise RuntimeError(
+            f"jaxnitro: no plugin names the run folder (hook `jaxnitro_new_run_folder`){disabled_note()}. "
+            f"Enable the built-in `run_folder` plugin, or install one that answers the hook."
+        )
+    if not os.path.isdir(folder):
+        raise RuntimeError(
+            f"jaxnitro: the `jaxnitro_new_run_folder` hook answered {folder!r}, which is no folder. The "
+            f"plugin that answers it must create the folder and return its path."
+        )
+    return os.path.abspath(os.fspath(folder))
 
 
 def run_training(nitro) -> None:
@@ -114,7 +113,8 @@ def run_training(nitro) -> None:
             run = RunContext(nitro, record.run_dir)
             logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
             record.loggers = run.loggers = make_loggers(logger, record.run_dir, nitro.experiment)
-            with run_scoped([*(LoggerRelay(logger, run) for logger in run.loggers), folder]):
+            check_loggers(run.loggers)  # a missing verb fails before the run starts, not mid-run
+            with run_scoped([folder]):  # the loggers are driven by the logger_relay plugin
                 try:
                     emit("jaxnitro_run_start", run=run)
                     status = _Run(nitro, run).run()
@@ -144,8 +144,8 @@ def run_folder_of(nitro) -> str:
         return resumed.run_folder
     dist = nitro.plan.dist
     if dist is not None and dist.multi_process:  # one folder for the job: process 0 makes it
-        return dist.from_main(new_run_folder(nitro.settings.run_dir) if dist.is_main else None)
-    return new_run_folder(nitro.settings.run_dir)
+        return dist.from_main(new_run_folder(nitro.settings.run_dir, nitro.experiment) if dist.is_main else None)
+    return new_run_folder(nitro.settings.run_dir, nitro.experiment)
 
 
 def _status_of(exc: BaseException) -> str:
