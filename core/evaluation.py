@@ -49,14 +49,15 @@ def _dist(plan):
     return dist if dist is not None and dist.sharded else None
 
 
-def make_transfer(nitro, hooks):
-    """The host->device transfer of exactly the fields ``hooks`` declare (others never leave the host).
+def make_transfer(plan, hooks):
+    """The host->device transfer of exactly the fields ``hooks`` declare in ``plan``'s routes
+    (others never leave the host).
 
     On several devices (``n_devs`` > 1, or several processes) every field is placed sharded
     on its first dimension over the data mesh (in a multi-process job: this process's rows
     of the global batch, ``jax.make_array_from_process_local_data``)."""
-    fields = _device_fields(nitro.plan.routes, hooks)
-    dist = _dist(nitro.plan)
+    fields = _device_fields(plan.routes, hooks)
+    dist = _dist(plan)
     if dist is not None:
         return lambda batch: dist.put_batch({f: batch[f] for f in fields if f in batch})
     if not stages_on_device():
@@ -65,9 +66,14 @@ def make_transfer(nitro, hooks):
     return lambda batch: put({f: batch[f] for f in fields if f in batch})
 
 
-def eval_key_entries(rng) -> dict:
+def key_entries(rng) -> dict:
     """The key entries for evaluation and prediction: the run's base key ``rng``, counter 0 (fixed)."""
     return {KEY_DATA: rng, KEY_COUNT: np.uint32(0)}
+
+
+def eval_key_entries(nitro) -> dict:
+    """:func:`key_entries` of the handle's run key."""
+    return key_entries(nitro.state.rng)
 
 
 def _width_for(plan, n: int, what: str) -> int:
@@ -110,7 +116,7 @@ def _staged_for_forward(plan, rng, batch, hooks, what: str):
     if n < w:
         inputs = pad_batch(inputs, w)
     if any(plan.routes[h].wants_key for h in hooks if h in plan.routes):
-        inputs.update(eval_key_entries(rng))
+        inputs.update(key_entries(rng))
     return n, w, inputs
 
 

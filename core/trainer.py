@@ -257,7 +257,7 @@ class _Run:
             if columns is None:
                 columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
         else:
-            transfer = make_transfer(nitro, TRAIN_HOOKS)
+            transfer = make_transfer(plan, TRAIN_HOOKS)
         if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
             transfer = width_checked(transfer, plan.width)
         if keyed_run:
