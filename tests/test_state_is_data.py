@@ -87,3 +87,14 @@ def test_a_resumed_handle_has_its_resume_point_in_the_plan_it_was_built_with(tmp
     assert plan.weights_meta["step"] == first.step and plan.weights_from.startswith("resumed from")
     resumed.train()
     assert resumed.plan is plan and resumed.step == 2 * first.step
+
+
+def test_the_settings_hold_the_monitor_of_the_derived_experiment(tmp_path):
+    # `derive` fills a field the monitor hook reads: the settings carry the answer after derive
+    E = fresh_tiny(
+        "WatchesDerived",
+        derive=lambda self, data: {"width": 8},
+        monitor=lambda self: ("loss", "min") if self.width == 8 else ("acc", "max"),
+    )
+    n = jn.Nitro(E(), run_dir=tmp_path, **QUIET)
+    assert n.experiment.width == 8 and n.settings.monitor == ("loss", "min")
