@@ -4,8 +4,8 @@ The public API. See ``docs/`` and ``examples/mnist/mnist_tutorial.py``.
 
 The names below are the core's. Feature plugins add their own through the
 ``jaxnitro_exports`` hook (``jn.EarlyStopping`` from the ``early_stopping``
-plugin, ``jn.set_config_report`` from ``staleness``); they are looked up on
-first use, so a disabled plugin's names are simply absent.
+plugin, ``jn.set_config_report`` from ``staleness``, ``jn.load_exported`` from
+``export``); they are looked up on first use, so a disabled plugin's names are simply absent.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enabl
 from .events import RunContext, StepStretch
 from .distributed import Dist, setup_devices
 from .experiment import compile_view, experiment, field
-from .export import load_exported
 from .handle import Nitro, train
 from .history import MetricHistory
 from .hookspecs import hookimpl, hookspec
@@ -65,7 +64,6 @@ __all__ = [
     "field",
     "hookimpl",
     "hookspec",
-    "load_exported",
     "logger_info",
     "memory_report",
     "MemoryReport",

@@ -154,15 +154,14 @@ class Checkpointer(Protocol):
 
 @runtime_checkable
 class Exporter(Protocol):
-    """An exporter: writes a handle's inference program to a folder and loads it back.
+    """The hook an exporter plugin implements (a module or an object registered as a plugin).
 
-    ``export(nitro, path, **options) -> path`` (the options of ``nitro.export``:
-    ``example``, ``device_inputs``, ``symbolic_batch``, ``platforms``, ``overwrite``),
-    ``load(path)`` returns a callable ``outputs = loaded(batch)`` that needs no
-    experiment code. The built-in one is ``jax.export`` (``nitro.export``,
-    ``jn.load_exported``).
+    ``nitro.export(path, **options)`` asks ``jaxnitro_export`` (``firstresult``) with the
+    handle's :class:`jaxnitro.plugin.InferenceProgram`; the first plugin returning what it
+    wrote (not ``None``) has exported, and ``nitro.export`` returns that. The built-in one is
+    ``jaxnitro.plugins.export`` (``jax.export`` and ``metadata.json``; it also exports
+    ``jn.load_exported``, ``jn.ExportedForward`` and ``jn.ExportError``), marked ``trylast``,
+    so an installed exporter replaces it.
     """
 
-    def export(self, nitro: Any, path: str, **options: Any) -> str: ...
-
-    def load(self, path: str) -> Any: ...
+    def jaxnitro_export(self, program: Any, path: Any, options: dict[str, Any]) -> Any: ...

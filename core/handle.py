@@ -23,6 +23,7 @@ from .sources import batches_of, release_sources
 from .describe import describe
 from .events import emit
 from .history import MetricHistory
+from .inference import export_handle
 from .interrupts import Preempted, stop_signals
 from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
@@ -225,12 +226,12 @@ class Nitro:
         other host hooks are not part of the program. Refuses (``ExportError``) a ``forward`` with
         host callbacks and unknown field shapes, and, before tracing, a ``path`` that is a file, a
         folder already holding an export (pass ``overwrite=True`` to replace it) or an unwritable
-        location. See docs/export.md.
+        location. Written by the plugin answering ``jaxnitro_export`` (the built-in ``export``
+        plugin; a ``RuntimeError`` naming it when none is loaded). See docs/export.md.
         """
-        from .export import export_nitro
-
-        return export_nitro(self, path, example=example, device_inputs=device_inputs,
-                            symbolic_batch=symbolic_batch, platforms=platforms, overwrite=overwrite)
+        options = {"example": example, "device_inputs": device_inputs, "symbolic_batch": symbolic_batch,
+                   "platforms": platforms, "overwrite": overwrite}
+        return export_handle(self, path, options)
 
     def history(self, throughput: bool = False) -> MetricHistory:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics).

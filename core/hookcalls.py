@@ -61,6 +61,7 @@ OBSERVED = frozenset({
     "jaxnitro_make_progress_reporter", "jaxnitro_accept_knob", "jaxnitro_render_history",
     "jaxnitro_describe", "jaxnitro_plot", "jaxnitro_load_weights", "jaxnitro_exports",
     "jaxnitro_run_ending", "jaxnitro_run_finish",
+    "jaxnitro_export",
 })
 """The hooks whose implementations note their results (and, in a guarded call, their errors)."""
 

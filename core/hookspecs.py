@@ -25,7 +25,8 @@ view (Device values traced, Host fields stripped) in traced hooks
 **Extension hooks** (:class:`ExtensionSpec`) answer one question each
 (``firstresult``): make a logger from a name, choose the default logger,
 adapt a foreign data source, make a progress reporter, accept a run knob,
-render a history, describe a handle, export public names.
+render a history, describe a handle, export public names, export the
+inference program.
 
 **Lifecycle hooks** (:class:`LifecycleSpec`) are called for every plugin at
 fixed points: each setup step, a run's start, a phase's start, a stretch of
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pluggy
 
 if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
+    from os import PathLike
     from pathlib import Path
 
     import jax
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
     from .distributed import Dist
     from .events import RunContext, StepStretch
     from .handle import Nitro
+    from .inference import InferenceProgram
     from .history import MetricHistory
     from .manual import Optimizers
     from .weights import WeightsRecord
@@ -372,6 +375,22 @@ class ExtensionSpec:
         naming the path and the fix for a corrupt or incomplete checkpoint. Nothing is
         read into memory but the record's metadata: the core checks it against the
         experiment before it calls ``record.restore``.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_export(self, program: InferenceProgram, path: str | PathLike[str], options: dict[str, Any]) -> str | None:
+        """Write ``program`` (``nitro.export(path, **options)``) to ``path``; return what was
+        written (the path, as ``nitro.export`` returns it), or ``None`` if you do not export.
+
+        ``program`` is a :class:`jaxnitro.inference.InferenceProgram`: the handle's ``forward``
+        in inference mode (``program.apply``, traceable), its weights, Device values and key
+        entries, and ``program.signature(example)``, the input signature (read it after
+        checking the destination: on a handle without data it records the reference batch).
+        ``options`` are ``nitro.export``'s keywords: ``example``, ``device_inputs``,
+        ``symbolic_batch``, ``platforms``, ``overwrite``. Raise (naming the path or the
+        option and the fix) for what cannot be exported. The built-in answer (``trylast``) is
+        the ``export`` plugin: ``jax.export`` plus ``metadata.json``, read by
+        ``jn.load_exported``. With no answer ``nitro.export`` raises, naming that plugin.
         """
 
 

@@ -42,13 +42,15 @@ distribution.
   :func:`current_note`;
 * checkpoints: :class:`WeightsRecord`, :class:`NoCheckpointError`, :func:`incompatibility`,
   :func:`jsonable`, :func:`from_jsonable`, :func:`tree_listing`, :func:`ema_of`,
-  :func:`rule_state_of`, :data:`HYPERS`.
+  :func:`rule_state_of`, :data:`HYPERS`;
+* export: :class:`InferenceProgram` (what ``jaxnitro_export`` gets), :func:`pad_batch`.
 """
 
 from __future__ import annotations
 
 import sys
 
+from .batches import pad_batch
 from .blocks import aligned
 from .contracts import (
     LOGGER_VERBS,
@@ -69,6 +71,7 @@ from .experiment import call_method, fields_of, is_experiment, method_of, summar
 from .hookcalls import Answer, answers_for, knob_owner
 from .plugin_manager import answer_source
 from .history import best_positions, improves
+from .inference import InferenceProgram
 from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
 from .logger import scalar_value
@@ -99,6 +102,8 @@ __all__ = [
     # checkpoints
     "WeightsRecord", "NoCheckpointError", "incompatibility", "jsonable", "from_jsonable",
     "tree_listing", "ema_of", "rule_state_of", "HYPERS",
+    # export
+    "InferenceProgram", "pad_batch",
 ]
 
 

@@ -227,6 +227,7 @@ class _Run:
             return 1, None
         chosen = self._block_program().meta.get("auto_k")
         if chosen is not None:
+            self.run_ctx.chosen_k = chosen
             return chosen, None
         probe = AutoProbe(self.nitro.step)
         return 1, (probe if probe.last <= self.book.total else None)

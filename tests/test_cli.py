@@ -40,7 +40,8 @@ def test_help_lists_each_field_with_marker_type_default_doc_and_every_run_knob(c
     assert "--width WIDTH [GraphConst] Hidden width (structural). (type: int, default: 16)" in text
     assert "--smoothing SMOOTHING [Device] Label smoothing (a traced input). (type: float, default: 0.0)" in text
     assert "--tag TAG [Host] A free-form label (Host). (type: str | null, default: null)" in text
-    assert "Also the `max_epochs` run knob. (type: int, default: 2)" in text
+    assert ("Also the `max_epochs` run knob (null: the knob is None, the field keeps its default). "
+            "(type: int | null, default: 2)") in text
     assert "Not settable here (they keep their defaults): weights_init (Device ndarray)" in text
     fields = set(fields_of(CliTiny))
     for knob in RUN_KNOBS:  # every knob the core defines, whatever the list is today
@@ -164,3 +165,28 @@ def test_python_m_jaxnitro_finds_the_cli_through_its_entry_point(capsys, monkeyp
     monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", "cli")
     assert module_main(["--help"]) == 2
     assert "command line plugin `cli` is disabled by JAXNITRO_DISABLE_PLUGINS" in capsys.readouterr().err
+
+
+def test_max_epochs_null_leaves_a_step_budget_alone_and_remat_takes_a_policy_name(capsys, tmp_path):
+    """A typed ``max_epochs`` field can still be switched off as a knob: ``--max_epochs null
+    --max_steps 9`` trains 9 steps (3 epochs of 6 would be 18, the field's 2 epochs 12), the
+    YAML round trip keeps it; ``--remat`` takes a policy name as well as a bool."""
+    from jaxnitro.plugins.cli.arguments import build_parser, parse
+
+    spec = build_parser(CliTiny, prog="jaxnitro train")
+    inv = parse(spec, ["--max_epochs", "null", "--max_steps", "9", "--remat", "dots_saveable"])
+    assert inv.experiment.max_epochs == 2 and inv.knobs["max_epochs"] is None
+    assert inv.knobs["max_steps"] == 9 and inv.knobs["remat"] == "dots_saveable"
+    assert parse(spec, ["--remat", "true"]).knobs["remat"] is True
+    run_dir = tmp_path / "runs"
+    rc = main(["train", SPEC, "--max_epochs", "null", "--max_steps", "9", "--run_dir", str(run_dir)],
+              prog_words=["jaxnitro"])
+    out, _ = capsys.readouterr()
+    assert rc == 0, out
+    (run,) = [p for p in run_dir.iterdir() if p.is_dir()]
+    steps = [line["step"] for line in jn.read_jsonl(run / "metrics.jsonl") if line.get("context") == "train"]
+    assert max(steps) == 9
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["max_epochs"] is None and cfg["max_steps"] == 9
+    rc, again, _ = run_cli(capsys, "train", "--config", str(run / "config.yaml"), "--print_config")
+    assert rc == 0 and yaml.safe_load(again)["max_epochs"] is None

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from jaxnitro.export import METADATA_FILE, PROGRAM_FILE, ExportError
+from jaxnitro.plugins.export import METADATA_FILE, PROGRAM_FILE, ExportError
 
 from tiny import Tiny, fresh_tiny, tiny_data
 

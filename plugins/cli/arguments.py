@@ -14,10 +14,12 @@ Rules:
 * A field whose type the command line cannot spell (an array, an arbitrary object)
   keeps its default and is listed in the help as not settable here.
 * A name that is both a field and a run knob (``max_epochs``) is the field: the
-  knob then reads the field, as it does in Python.
+  knob then reads the field, as it does in Python; ``--max_epochs null`` sets the knob to
+  None instead and the field keeps its default.
 * A knob the command line does not set is left to the experiment (its method, its
   field, the framework's default), exactly as ``jn.Nitro(e)`` resolves it. A knob
-  whose default is a bool, int or float takes that type; any other knob takes a
+  whose default is a bool takes a bool, an int or float knob that type or null, ``remat`` a
+  bool or a policy name; any other knob takes a
   YAML value (``--n_devs 2``, ``--logger tensorboard``, ``--early_stop null`` to
   switch a plugin knob off).
 """
@@ -313,8 +315,9 @@ def build_parser(cls, *, prog: str, description: str | None = None, command_opti
     for o in options:
         default = overrides.get(o.name, o.default)
         doc = o.doc.replace("%", "%%") if o.doc else "(no docstring)"
-        knob = f" Also the `{o.name}` run knob." if o.knob else ""
-        kwargs = {"type": o.type, "help": f"[{o.marker}] {doc}{knob}"}
+        knob = (f" Also the `{o.name}` run knob (null: the knob is None, the field keeps its default)."
+                if o.knob else "")
+        kwargs = {"type": _or_none(o.type) if o.knob else o.type, "help": f"[{o.marker}] {doc}{knob}"}
         if default is attrs.NOTHING:
             kwargs["required"] = True
         else:
@@ -330,12 +333,41 @@ def build_parser(cls, *, prog: str, description: str | None = None, command_opti
     for name in knob_names:
         r = resolved.get(name)
         value, source = (r.value, r.source) if r is not None else (KNOB_DEFAULTS[name], "default")
-        plain = KNOB_DEFAULTS[name]
-        tp = type(plain) if type(plain) in (bool, int, float) else Any
+        tp = _knob_type(name)
         where = _SOURCE[source].format(name=name)
         text = f"[run knob] default: {_short_repr(value)} ({where})".replace("%", "%%")
         knob_group.add_argument(f"--{name}", *aliases.get(name, ()), type=tp, default=argparse.SUPPRESS, help=text)
     return ParserSpec(parser, cls, options, knob_names, skipped, names)
+
+
+def _or_none(tp):
+    """``tp | None`` (``typing.Optional`` for an annotation ``|`` does not take)."""
+    try:
+        return tp | None
+    except TypeError:
+        return typing.Optional[tp]
+
+
+def _takes_none(tp) -> bool:
+    """Whether annotation ``tp`` admits None (``int | None``, ``Optional[int]``, ``Any``)."""
+    return tp is Any or tp is type(None) or type(None) in typing.get_args(tp)
+
+
+_KNOB_TYPES = {"remat": bool | str}
+"""Knobs whose values go beyond their default's type (``--remat dots_saveable``)."""
+
+
+def _knob_type(name: str):
+    """The command-line type of run knob ``name``: an int or float knob also takes ``null``
+    (``--max_epochs null``: no epoch bound), a bool knob is a bool, any other a YAML value."""
+    if name in _KNOB_TYPES:
+        return _KNOB_TYPES[name]
+    plain = KNOB_DEFAULTS[name]
+    if type(plain) is bool:
+        return bool
+    if type(plain) in (int, float):
+        return type(plain) | None
+    return Any
 
 
 def _help_formatter():
@@ -402,6 +434,10 @@ def parse(spec: ParserSpec, argv: list[str], *, experiment_spec: str | None = No
     given = {k for k in given_ns.as_dict() if k not in ("config", "print_config")}
     field_values = {o.name: values[o.name] for o in spec.fields if o.name in values}
     knobs = {k: values[k] for k in spec.knobs if k in values}
+    for o in spec.fields:  # `--max_epochs null`: the knob is None (keyword > field), the field its default
+        if o.knob and o.name in field_values and field_values[o.name] is None and not _takes_none(o.type):
+            del field_values[o.name]
+            knobs[o.name] = None
     options = {k: values.get(k) for k in spec.command_options}
     try:
         e = spec.cls(**field_values)
@@ -429,6 +465,9 @@ def config_yaml(inv: Invocation, *, include_options: bool = True) -> str:
                 out[k] = _to_plain(v)
     for name, value in inv.field_values.items():
         out[name] = _to_plain(value)
+    for o in inv.spec.fields:  # a field-knob set to None on the command line (`--max_epochs null`)
+        if o.knob and o.name not in inv.field_values and inv.knobs.get(o.name, ...) is None:
+            out[o.name] = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         resolved = resolve_knobs(inv.experiment, inv.knobs)
