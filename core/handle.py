@@ -323,5 +323,5 @@ def memory_report(experiment, **kwargs) -> MemoryReport:
             f"preflight compiles the train step. Return one from build_data or pass data=."
         )
     report = preflight(nitro, refuse=False)
-    nitro.plan.memory = report
+    nitro.plan.programs.memory = report  # kept with the programs it measured (``nitro.plan.memory``)
     return report

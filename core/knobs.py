@@ -285,14 +285,16 @@ def check_optimizer_groups(groups, cls_name: str) -> None:
                 )
 
 
-def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Settings:
-    """Typed settings from resolved knobs (checked with :func:`check_values` first)."""
+def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sharding, mesh_shape) -> Settings:
+    """Typed settings from resolved knobs (checked with :func:`check_values` first), made once:
+    ``logger``, ``n_devs``, ``sharding`` and ``mesh_shape`` are those knobs as setup checked and
+    resolved them; ``monitor`` is the experiment's ``monitor`` answer (or None)."""
     check_values(knobs)
     k = {name: r.value for name, r in knobs.items()}
     return Settings(
         seed=int(k["seed"]),
         run_dir=os.fspath(k["run_dir"]),
-        n_devs=k["n_devs"],
+        n_devs=n_devs,
         accum=int(k["accum"]),
         steps_per_dispatch="auto" if k["steps_per_dispatch"] == "auto" else int(k["steps_per_dispatch"]),
         # with max_steps and no max_epochs of the user's, the steps alone end the run
@@ -317,8 +319,8 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         device_peak_flops=None if k["device_peak_flops"] is None else float(k["device_peak_flops"]),
         monitor=monitor,
         knobs=dict(knobs),
-        sharding=k["sharding"] or "replicated",
-        mesh_shape=k["mesh_shape"],
+        sharding=sharding,
+        mesh_shape=mesh_shape,
         compilation_cache=k["compilation_cache"],
     )
 

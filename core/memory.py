@@ -142,7 +142,7 @@ def _first_batch(nitro) -> dict:
         first = peek(train)
     else:
         first = {f: np.zeros((plan.width, *shape), dtype) for f, (shape, dtype) in specs.items()}
-    batch = make_transfer(nitro, TRAIN_HOOKS)(first)
+    batch = make_transfer(plan, TRAIN_HOOKS)(first)
     if any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes):
         batch = {**batch, KEY_DATA: nitro.state.rng, KEY_COUNT: np.uint32(0)}
     return batch

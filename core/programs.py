@@ -152,11 +152,13 @@ class ProgramSet:
 
     Construct with everything that shapes the graphs; programs are requested
     (and, on first call with a new signature, compiled) lazily by the verbs.
-    ``layout`` (set by setup, :class:`~jaxnitro.sharding.Layout`): with split parameters, the
+    ``layout`` (:class:`~jaxnitro.sharding.Layout`, or None): with split parameters, the
     train programs pin the params, gradients and optimizer state they return to it.
+    ``memory``: the memory preflight's report of the first train step, kept with the compiled
+    programs it measured (set once, by the run's first step or ``jn.memory_report``), or None.
     """
 
-    layout = None
+    memory = None
 
     def __init__(
         self,
@@ -171,8 +173,10 @@ class ProgramSet:
         state_def,
         train_metrics_on_host: bool = False,
         precision: Policy | None = None,
+        layout=None,
     ):
         self.cls = cls
+        self.layout = layout
         self.hooks = hooks
         self.routes = routes
         self.graph_values = dict(graph_values)

@@ -247,18 +247,18 @@ class _Run:
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
         extra, columns = {}, None
         if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
-            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(nitro, TRAIN_HOOKS), 1, accum, keyed_run, False)
+            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(plan.routes, TRAIN_HOOKS), 1, accum, keyed_run, False)
             if columns is None:
                 self.probe = None
         if k > 1 or self.probe is not None:  # batches stay on the host until a block of k * accum is sent at once
-            fields = _device_fields(nitro, TRAIN_HOOKS)
+            fields = _device_fields(plan.routes, TRAIN_HOOKS)
             transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
             if keyed_run:
                 extra = {KEY_DATA: nitro.state.rng}
             if columns is None:
                 columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
         else:
-            transfer = make_transfer(nitro, TRAIN_HOOKS)
+            transfer = make_transfer(plan, TRAIN_HOOKS)
         if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
             transfer = width_checked(transfer, plan.width)
         if keyed_run:
@@ -299,8 +299,8 @@ class _Run:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
-                if nitro.plan.memory is None:  # the memory preflight: compiles the first step's programs
-                    nitro.plan.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
+                if nitro.plan.programs.memory is None:  # the memory preflight: compiles the first step's programs
+                    nitro.plan.programs.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
                     self.stop()
