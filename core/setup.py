@@ -28,7 +28,7 @@ from .experiment import check_traced_code, fields_of, is_experiment, to_device_v
 from .knobs import Settings
 from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
-from .optim import build_optimizer_spec, init_opt_state, with_ema
+from .optim import build_optimizer_spec, init_opt_state
 from .plugin_manager import resolve_hooks
 from .prefetch.contract import bind_seed
 from .precision import check_knobs as check_precision_knobs
@@ -380,7 +380,7 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
         )
         if manual:  # one optimizer per model, applied by the experiment's train_step
             plan.tx = split_optimizer(plan.opt_spec, state.params)
-            opt_state = with_ema(plan.tx.init(state.params, anchor), state.params, plan.opt_spec)
+            opt_state = plan.tx.init(state.params, anchor)
         else:
             plan.tx = plan.opt_spec.transformation()
             opt_state = init_opt_state(plan.opt_spec, plan.tx, state.params, anchor)

@@ -534,7 +534,7 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     (its structure is the restore target). Any checkpoint is a resume point, at an epoch's
     end or in its middle: the loop continues from its step (the data position follows from
     it: the epoch and the next batch of a source with ``len()``)."""
-    from .optim import EmaState, join_ema, rule_state_of, split_ema
+    from .optim import ema_of, rule_state_of, with_parts
     from .state import ResumePoint
 
     meta = record.metadata
@@ -549,7 +549,7 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     wanted = {"params": abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)
-    rules, ema = split_ema(state.opt_state, plan.opt_spec) if state.opt_state is not None else (None, None)
+    rules, ema = (rule_state_of(state.opt_state), ema_of(state.opt_state)) if state.opt_state is not None else (None, None)
     if rules is not None and restore_optimizer and "opt_state" in record.items:
         wanted["opt_state"] = abstract(rules)
     if ema is not None and "ema" in record.items:
@@ -564,9 +564,9 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     opt_state = state.opt_state
     if opt_state is not None:
         rules = got.get("opt_state", rule_state_of(opt_state))
-        if ema is not None:
-            ema = EmaState(got["ema"] if "ema" in got else jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params))
-        opt_state = join_ema(rules, ema, plan.opt_spec)
+        if ema is not None:  # a checkpoint without one: the average restarts at its params
+            ema = got["ema"] if "ema" in got else jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
+        opt_state = with_parts(opt_state, rules, ema)
     rng = state.rng
     if meta.get("rng"):
         rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
