@@ -40,9 +40,8 @@ class ModelOptimizers:
     """One optimizer per model: ``names[i]`` (a model's key in the dict model, or None for a
     single model) is updated by ``txs[i]``, built from ``specs[i]`` (the run's
     :class:`~jaxnitro.optim.OptimizerSpec` restricted to that model's groups; its
-    hyperparameter layout is the run's, so schedules reach every group). ``ema_slot``: with
-    ``ema`` on, the vector's decay slot (the EMA is kept over every model's params, around the
-    experiment's step), else None."""
+    hyperparameter layout is the run's, so schedules reach every group). ``ema_slot``: the EMA
+    decay's slot in it (the EMA is kept over every model's params, around the step), or None."""
 
     names: tuple
     specs: tuple
@@ -57,13 +56,10 @@ class ModelOptimizers:
     def init(self, params, anchor=None):
         """The run's optimizer state: the rules' state (``{name: state}`` for a dict model, the
         one state otherwise), with EMA on ``(rules, EmaState)`` as :func:`~jaxnitro.optim.ema_params` makes it."""
-        if not self.multi:
-            rules = init_opt_state(self.specs[0], self.txs[0], params, anchor)
-        else:
-            rules = {
-                n: init_opt_state(s, tx, params[n], None if anchor is None else anchor[n])
-                for n, s, tx in zip(self.names, self.specs, self.txs)
-            }
+        rules = init_opt_state(self.specs[0], self.txs[0], params, anchor) if not self.multi else {
+            n: init_opt_state(s, tx, params[n], None if anchor is None else anchor[n])
+            for n, s, tx in zip(self.names, self.specs, self.txs)
+        }
         return rules if self.ema_slot is None else (rules, ema_params(None).init(params))
 
     def stepped(self, state, rules, params, hypers):

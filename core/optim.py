@@ -290,8 +290,8 @@ def _decoupled(rule: Callable, anchor: str = "zero", scheduled: tuple[str, ...] 
 
 
 def init_opt_state(spec: OptimizerSpec, tx, params, anchor=None):
-    """The optimizer state for ``params`` (``tx.init``: the EMA starts at ``params``). ``anchor``:
-    the weights ``"w0"`` groups decay toward, when they are not ``params`` (e.g. ``build_model``'s after a warm start)."""
+    """The optimizer state for ``params`` (``tx.init``: the EMA starts at ``params``). ``anchor``: the
+    weights ``"w0"`` groups decay toward, when not ``params`` (``build_model``'s after a warm start)."""
     state = tx.init(params)
     if spec.anchored and anchor is not None:
         is_anchor = lambda x: isinstance(x, AnchorState)  # noqa: E731
@@ -303,15 +303,12 @@ def init_opt_state(spec: OptimizerSpec, tx, params, anchor=None):
 
 
 def ema_params(decay) -> optax.GradientTransformationExtraArgs:
-    """The optax transformation, last in a chain, whose state (:class:`EmaState`) keeps an
-    exponential moving average of the parameters (``ema=jn.EMA(decay)``).
-
-    ``init(params)``: the average starts at a copy of ``params``. ``update(updates, state,
-    params, **extra)`` returns ``updates`` unchanged and the average moved toward the params
-    after this update, ``new = optax.apply_updates(params, updates)``:
-    ``ema + (1 - decay) * (new - ema)`` (no bias correction). ``decay``: a number (float32),
-    or a function of ``update``'s extra arguments (jaxnitro's reads the step's hyperparameter
-    vector, ``hypers=``, so a new decay compiles nothing). :func:`ema_of` reads the average."""
+    """The optax transformation, last in a chain, whose state (:class:`EmaState`, read by
+    :func:`ema_of`) keeps an exponential moving average of the params, starting at ``init``'s:
+    ``update(updates, state, params, **extra)`` passes ``updates`` through and moves the average
+    to ``ema + (1 - decay) * (new - ema)``, ``new = optax.apply_updates(params, updates)`` (no
+    bias correction). ``decay``: a number (float32), or a function of the extra arguments
+    (jaxnitro's reads the step's ``hypers=`` vector: a new decay compiles nothing)."""
 
     def update(updates, state, params=None, **extra):
         if params is None:
@@ -340,8 +337,7 @@ def rule_state_of(opt_state):
 
 
 def with_parts(opt_state, rules, ema=None):
-    """An optimizer state laid out as ``opt_state`` from the rules' state and (when
-    ``opt_state`` keeps one) the average ``ema`` (a resume)."""
+    """An optimizer state laid out as ``opt_state``: the rules' state, and its EMA when it keeps one."""
     return (rules, EmaState(ema)) if ema_of(opt_state) is not None else rules
 
 

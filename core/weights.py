@@ -549,7 +549,7 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     wanted = {"params": abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)
-    rules, ema = (rule_state_of(state.opt_state), ema_of(state.opt_state)) if state.opt_state is not None else (None, None)
+    rules, ema = rule_state_of(state.opt_state), ema_of(state.opt_state)
     if rules is not None and restore_optimizer and "opt_state" in record.items:
         wanted["opt_state"] = abstract(rules)
     if ema is not None and "ema" in record.items:
@@ -562,11 +562,9 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
         raise _optimizer_mismatch(record, {k: v for k, v in wanted.items() if k != "opt_state"}, err) from err
     params = jax.tree_util.tree_map(jnp.asarray, got["params"])
     opt_state = state.opt_state
-    if opt_state is not None:
-        rules = got.get("opt_state", rule_state_of(opt_state))
-        if ema is not None:  # a checkpoint without one: the average restarts at its params
-            ema = got["ema"] if "ema" in got else jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
-        opt_state = with_parts(opt_state, rules, ema)
+    if opt_state is not None:  # a checkpoint without an EMA: the average restarts at its params
+        fresh = None if ema is None or "ema" in got else jax.tree_util.tree_map(lambda p: jnp.copy(p), params)
+        opt_state = with_parts(opt_state, got.get("opt_state", rules), got.get("ema", fresh))
     rng = state.rng
     if meta.get("rng"):
         rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
