@@ -327,8 +327,10 @@ def ema_track(state: EmaState, params, decay) -> EmaState:
 
 
 def ema_of(opt_state):
-    """The moving average of the params that ``opt_state`` holds (:func:`ema_params`), or None."""
-    return None if opt_state is None else optax.tree_utils.tree_get(opt_state, "params_ema")
+    """The moving average of the params that ``opt_state`` holds (:func:`ema_params` ending its chain), or None."""
+    if type(opt_state) is tuple and opt_state:  # a chain's state (not a NamedTuple): the EMA ends it
+        opt_state = opt_state[-1]
+    return opt_state.params_ema if isinstance(opt_state, EmaState) else None
 
 
 def rule_state_of(opt_state):
