@@ -28,7 +28,7 @@ from .experiment import check_traced_code, fields_of, is_experiment, to_device_v
 from .knobs import Settings
 from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
-from .optim import build_optimizer_spec, init_opt_state, with_ema
+from .optim import build_optimizer_spec, init_opt_state
 from .plugin_manager import resolve_hooks
 from .prefetch.contract import bind_seed
 from .precision import check_knobs as check_precision_knobs
@@ -111,7 +111,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     resumed, weights_from = None, model.weights_from
     if record is not None and kwargs.get("weights") is None:  # resume=
         state, resumed, weights_from = install_resume(
-            state, opt.opt_spec, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)),
+            state, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)),
             steps_per_epoch=spe,
         )
     if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
@@ -416,7 +416,7 @@ def _build_optimizer(e, hooks: dict, layout, settings: Settings, data: dict, sta
         )
         if manual:  # one optimizer per model, applied by the experiment's train_step
             tx = split_optimizer(opt_spec, state.params)
-            opt_state = with_ema(tx.init(state.params, anchor), state.params, opt_spec)
+            opt_state = tx.init(state.params, anchor)
         else:
             tx = opt_spec.transformation()
             opt_state = init_opt_state(opt_spec, tx, state.params, anchor)

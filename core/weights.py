@@ -527,15 +527,14 @@ def _optimizer_mismatch(record: WeightsRecord, rest: dict, err: ValueError) -> V
     )
 
 
-def install_resume(state, opt_spec, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
+def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
     """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
     epoch and PRNG key from the record; the optimizer state must already be built
-    (its structure is the restore target; ``opt_spec`` is the handle's optimizer, None without
-    a train split). Any checkpoint is a resume point, at an epoch's end or in its middle: the
+    (its structure is the restore target). Any checkpoint is a resume point, at an epoch's end or in its middle: the
     loop continues from its step (the data position follows from it: the epoch and the next
     batch of a source with ``len()``). Returns ``(state, the ResumePoint, where the weights
     came from, in words)``."""
-    from .optim import EmaState, join_ema, rule_state_of, split_ema
+    from .optim import ema_of, rule_state_of, with_parts
     from .state import ResumePoint
 
     meta = record.metadata
@@ -550,7 +549,7 @@ def install_resume(state, opt_spec, record: WeightsRecord, *, restore_optimizer:
     wanted = {"params": abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)
-    rules, ema = split_ema(state.opt_state, opt_spec) if state.opt_state is not None else (None, None)
+    rules, ema = rule_state_of(state.opt_state), ema_of(state.opt_state)
     if rules is not None and restore_optimizer and "opt_state" in record.items:
         wanted["opt_state"] = abstract(rules)
     if ema is not None and "ema" in record.items:
@@ -563,11 +562,9 @@ def install_resume(state, opt_spec, record: WeightsRecord, *, restore_optimizer:
         raise _optimizer_mismatch(record, {k: v for k, v in wanted.items() if k != "opt_state"}, err) from err
     params = jax.tree_util.tree_map(jnp.asarray, got["params"])
     opt_state = state.opt_state
-    if opt_state is not None:
-        rules = got.get("opt_state", rule_state_of(opt_state))
-        if ema is not None:
-            ema = EmaState(got["ema"] if "ema" in got else jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params))
-        opt_state = join_ema(rules, ema, opt_spec)
+    if opt_state is not None:  # a checkpoint without an EMA: the average restarts at its params
+        fresh = None if ema is None or "ema" in got else jax.tree_util.tree_map(lambda p: jnp.copy(p), params)
+        opt_state = with_parts(opt_state, got.get("opt_state", rules), got.get("ema", fresh))
     rng = state.rng
     if meta.get("rng"):
         rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
