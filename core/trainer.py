@@ -469,7 +469,9 @@ class _Run:
         """What is due after ``step``: the epoch's end (``jaxnitro_epoch_trained``), a row's
         end (validated when the run validates), a plugin's boundary, a stop, ``max_time``."""
         book, reads, nitro = self.book, self.reads, self.nitro
-        closes = book.closes_row(step, epoch_done) and not again  # again: this step's cut was handled
+        # again: this step's cut inside the epoch was handled (a stream's end seen one read later):
+        # what it did (a row's end, a boundary) is not done twice; the epoch's end is still due
+        closes = book.closes_row(step, epoch_done) and not (again and book.closes_row(step, False))
         if epoch_done:
             reads.epoch_ends.append((epoch, step))
         if closes:

@@ -61,7 +61,7 @@ def stop_resume_compare(tmp_path, make_data, at: int, max_steps: int = 15, befor
     ``train()``). Returns ``(straight, resumed, resumed data, warnings recorded)``
     after asserting bitwise equality of the state, the rows and every train line."""
     kw = dict(max_steps=max_steps, checkpointer=jn.Checkpointer(every_n_steps=4, **CKPT), **RUN)
-    straight = jn.train(Tiny(), data=make_data(0), run_dir=tmp_path / "a", **kw)
+    straight = jn.train(Tiny(), data=make_data(0), run_dir=tmp_path / "a", **{**kw, "checkpointer": None})
     with pytest.raises(jn.Preempted):
         jn.train(Tiny(), data=make_data(at), run_dir=tmp_path / "b", **kw)
     data = make_data(0)
@@ -237,3 +237,17 @@ def test_pass_states_answer_for_the_batches_yielded_and_say_what_is_gone():
     with pytest.raises(LookupError, match="state after batch 1 is gone"):
         states.after(1)
     assert isinstance(jn.GrainStream.__new__(jn.GrainStream), StatefulStream)
+
+
+def test_a_stream_whose_pass_ends_at_a_cut_gets_one_row_there(tmp_path):
+    # a stream's end is seen one read after its last step: the cut already made at that step
+    # (a validation, a checkpoint) is not made twice, and an epoch's row still closes there
+    data = {"train": Generated(), "val": tiny_data()["val"]}
+    kw = dict(run_dir=tmp_path, max_steps=12, max_epochs=None, logger=None)
+    by_steps = jn.train(Tiny(), data=data, val_every_n_steps=6, **kw)
+    assert [(r["epoch"], r["step"]) for r in by_steps.rows] == [(1, 6), (2, 12)]
+    assert all(np.isfinite(r["train_loss"]) for r in by_steps.rows)
+    ckpt = jn.Checkpointer(every_n_steps=6, **CKPT)
+    by_epochs = jn.train(Tiny(), data=data, checkpointer=ckpt, **kw)
+    assert [(r["epoch"], r["step"]) for r in by_epochs.rows] == [(1, 6), (2, 12)]
+    assert by_epochs.rows == by_steps.rows
