@@ -55,12 +55,12 @@ def no_reread_warning(record) -> None:
     assert not [w for w in record if "from its start again" in str(w.message)], [str(w.message) for w in record]
 
 
-def stop_resume_compare(tmp_path, make_data, at: int, max_steps: int = 15, before_train=None):
+def stop_resume_compare(tmp_path, make_data, at: int, max_steps: int = 15, before_train=None, k: int = 1):
     """Train ``max_steps`` straight; train again, preempted at the ``at``-th read record; resume
     with ``resume="auto"`` (``before_train(data)`` is called between its setup and its
     ``train()``). Returns ``(straight, resumed, resumed data, warnings recorded)``
     after asserting bitwise equality of the state, the rows and every train line."""
-    kw = dict(max_steps=max_steps, checkpointer=jn.Checkpointer(every_n_steps=4, **CKPT), **RUN)
+    kw = dict(max_steps=max_steps, checkpointer=jn.Checkpointer(every_n_steps=4, **CKPT), steps_per_dispatch=k, **RUN)
     straight = jn.train(Tiny(), data=make_data(0), run_dir=tmp_path / "a", **{**kw, "checkpointer": None})
     with pytest.raises(jn.Preempted):
         jn.train(Tiny(), data=make_data(at), run_dir=tmp_path / "b", **kw)
@@ -79,7 +79,8 @@ def stop_resume_compare(tmp_path, make_data, at: int, max_steps: int = 15, befor
     return straight, resumed, data, record
 
 
-def test_a_grain_stream_resumes_mid_epoch_from_its_iterator_state(tmp_path):
+@pytest.mark.parametrize("k", [1, 4])  # steps_per_dispatch: blocks of 4 batches stacked on the host
+def test_a_grain_stream_resumes_mid_epoch_from_its_iterator_state(tmp_path, k):
     records = {}
 
     def make(at):
@@ -91,7 +92,7 @@ def test_a_grain_stream_resumes_mid_epoch_from_its_iterator_state(tmp_path):
     def reads_from_here(data):  # setup read the first batch (its width): count the run's reads only
         records[0].read.clear()
 
-    straight, resumed, data, record = stop_resume_compare(tmp_path, make, at=96 + 40, before_train=reads_from_here)
+    straight, resumed, data, record = stop_resume_compare(tmp_path, make, at=96 + 40, before_train=reads_from_here, k=k)
     start = resumed.plan.resumed.step
     assert 6 < start < 12
     saved = resumed.plan.weights_meta["data_position"]["stream_state"]
