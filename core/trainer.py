@@ -348,7 +348,8 @@ class _Run:
             self.restored = (epoch, saved)  # handed to the source as the epoch's pass opens
             return
         batches = into * self.accum
-        why = ("its checkpoint holds no iterator state" if self.stateful else
+        why = ("its checkpoint holds no iterator state (an older checkpoint, or the source gave none)"
+               if self.stateful else
                "it restores no iterator state (no iterator_state/restore_iterator)")
         warnings.warn(
             f"jaxnitro: the `train` split is a stream without batch_at/begin_epoch and {why}, so "

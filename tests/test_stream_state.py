@@ -252,3 +252,13 @@ def test_a_stream_whose_pass_ends_at_a_cut_gets_one_row_there(tmp_path):
     by_epochs = jn.train(Tiny(), data=data, checkpointer=ckpt, **kw)
     assert [(r["epoch"], r["step"]) for r in by_epochs.rows] == [(1, 6), (2, 12)]
     assert by_epochs.rows == by_steps.rows
+
+
+def test_a_stateful_stream_resumed_from_a_checkpoint_without_state_reads_again(tmp_path):
+    kw = dict(max_steps=10, checkpointer=jn.Checkpointer(every_n_steps=4, **CKPT), **RUN)
+    jn.train(Tiny(), data={"train": Sized(), "val": tiny_data()["val"]}, run_dir=tmp_path, **kw)  # no state
+    resumed = jn.Nitro(Tiny(), data=grain_data(Records()), run_dir=tmp_path, resume="auto", **{**kw, "max_steps": 12})
+    with pytest.warns(UserWarning, match=r"holds no iterator state.*reads epoch 2 from its start again and drops "
+                                         r"its first 4 batches"):
+        resumed.train()
+    assert resumed.step == 12
