@@ -113,13 +113,13 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         state = install_resume(
             state, plan, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)), steps_per_epoch=spe
         )
-        if "train" in data:  # a stream's saved iterator state fits only the source type that saved it
-            train = unwrap(data["train"])
-            check_stream_resume(train, is_addressable(train), record.metadata, record.path)
     settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
     if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
         schedule_horizon(settings, spe, plan.bindings, record.metadata)
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
+    if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: a stream's
+        train = unwrap(data["train"])  # saved iterator state fits only the source type that saved it
+        check_stream_resume(train, is_addressable(train), record.metadata, record.path)
     state, device_values = _place_state(plan, state), dist.replicate(device_values)  # n_devs > 1: on the mesh
     return Built(e, settings, data, plan, state, device_values)
 
