@@ -15,7 +15,8 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 
 **Shapes** (``typing.Protocol``, ``runtime_checkable``): :class:`Logger`,
 :class:`Reporter`, :class:`Source`, :class:`IndexedSource`, :class:`StopPolicy`,
-:class:`Checkpointer`, :class:`Exporter`.
+:class:`Checkpointer`, :class:`Exporter`, :class:`StatefulStream` (a stream that records and
+restores its iterator state; :class:`PassStates` keeps its per-batch states).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -64,6 +65,7 @@ from .contracts import (
     Logger,
     Reporter,
     Source,
+    StatefulStream,
     StopPolicy,
 )
 from .describe import describe, summarize_value
@@ -82,6 +84,7 @@ from .optim import HYPERS, ema_of, rule_state_of
 from .prefetch.contract import check_epoch
 from .progress import current_note, make_reporter
 from .sources import as_batch, check_fields
+from .stream_state import PassStates
 from .weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
 
 __all__ = [
@@ -89,7 +92,7 @@ __all__ = [
     "hookimpl", "hookspec", "ExtensionSpec", "LifecycleSpec", "EXPERIMENT_HOOKS",
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
-    "StopPolicy", "Checkpointer", "Exporter",
+    "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs

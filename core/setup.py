@@ -30,6 +30,7 @@ from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
 from .optim import build_optimizer_spec, init_opt_state
 from .plugin_manager import resolve_hooks
+from .prefetch import is_addressable
 from .prefetch.contract import bind_seed
 from .precision import check_knobs as check_precision_knobs
 from .precision import make_policy
@@ -40,6 +41,7 @@ from .routing import check_reserved_fields, route_of
 from .schedules import bind_schedules, scheduled_rule_hypers
 from .sharding import check_mesh_shape, check_sharding_knob, param_layout
 from .state import Plan, TrainState
+from .stream_state import check_resume as check_stream_resume
 from .weights import (
     check_ema_knob,
     check_tree_and_graph,
@@ -124,6 +126,9 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         dist=dist, layout=opt.layout,
     )
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
+    if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: a stream's
+        train = unwrap(data["train"])  # saved iterator state fits only the source type that saved it
+        check_stream_resume(train, is_addressable(train), record.metadata, record.path)
     state, device_values = _place_state(plan, state), dist.replicate(device_values)  # n_devs > 1: on the mesh
     return Built(e, settings, data, plan, state, device_values)
 
