@@ -12,18 +12,18 @@ are looked up on first use, so a disabled plugin's names are simply absent.
 from __future__ import annotations
 
 from . import distributed
-from .cache import CacheStats, _enable_from_env, cache_stats, clear_cache, enable_persistent_cache
+from .cache import CacheStats, cache_stats, clear_cache, enable_persistent_cache
 from .events import RunContext, StepStretch
 from .distributed import Dist, setup_devices
 from .experiment import compile_view, experiment, field
-from .handle import Nitro, train
+from .handle import Nitro, memory_report, train
 from .history import MetricHistory
 from .hookspecs import hookimpl, hookspec
 from .interrupts import PREEMPTED_EXIT_CODE, Preempted, Terminated
 from .knobs import Settings
 from .logger import backend, logger_info
 from .manual import Optimizers
-from .memory import MemoryReport, WontFitError, memory_report
+from .memory import MemoryReport, WontFitError
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .source_errors import PrefetchError, SourceLengthError
@@ -33,8 +33,6 @@ from .weights import EMA
 from .progress import progress_note, progress_reporter, with_progress_note
 
 __version__ = "0.1.0"
-
-_enable_from_env()  # JAXNITRO_COMPILATION_CACHE=<folder>: opt in to JAX's persistent compilation cache
 
 __all__ = [
     "CacheStats",

@@ -12,10 +12,10 @@ one XLA compilation), ``hits`` counts the programs a handle found already in
 the cache (each handle asks once per program), ``entries`` the compiled
 programs held.
 
-Across processes, :func:`enable_persistent_cache` (or the
-``JAXNITRO_COMPILATION_CACHE`` environment variable) opts in to JAX's
-on-disk compilation cache: a later process still traces, but loads the
-compiled executables instead of compiling them.
+Across processes, :func:`enable_persistent_cache` (or the ``compilation_cache`` run
+knob, or the ``JAXNITRO_COMPILATION_CACHE`` environment variable) opts in to JAX's
+on-disk compilation cache, through the ``compilation_cache`` plugin: a later process
+still traces, but loads the compiled executables instead of compiling them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import weakref
 from typing import Callable, NamedTuple
 
 import jax
+
+from .plugin_manager import disabled_note, first_result
 
 __all__ = [
     "CacheStats",
@@ -441,44 +443,35 @@ def clear_cache() -> None:
         _misses = 0
 
 
-# -- JAX's persistent (on-disk) compilation cache ----------------------------------
+# -- JAX's persistent (on-disk) compilation cache: switched by a plugin ----------------
 
 CACHE_ENV = "JAXNITRO_COMPILATION_CACHE"
-"""Environment variable: a folder; when set, ``import jaxnitro`` enables the persistent cache there."""
+"""Environment variable: a folder; when set, the persistent cache is on there from the moment
+the plugins load (the ``compilation_cache`` plugin reads it)."""
 
 
 def enable_persistent_cache(path: str | os.PathLike | None = None) -> str:
-    """Opt in to JAX's persistent compilation cache, so a later process skips XLA compilation.
+    """Opt in to a persistent compilation cache, so a later process skips XLA compilation.
 
-    ``path`` is the cache folder (created if missing); without it, the
-    ``JAXNITRO_COMPILATION_CACHE`` environment variable, else
-    ``~/.cache/jaxnitro/xla``. Every compiled program is written there,
-    however small or quick to compile (JAX's defaults skip programs that
-    compile in under a second, which is most programs on CPU). Returns the
-    folder's absolute path.
+    Asks the ``jaxnitro_persistent_cache`` hook; the built-in ``compilation_cache`` plugin
+    switches JAX's on-disk cache on. ``path`` is the cache folder (created if missing);
+    without it, the ``JAXNITRO_COMPILATION_CACHE`` environment variable, else
+    ``~/.cache/jaxnitro/xla``. Every compiled program is written there, however small or
+    quick to compile (JAX's defaults skip programs that compile in under a second, which is
+    most programs on CPU). Returns the folder's absolute path. The ``compilation_cache`` run
+    knob and the environment variable (read when the plugins load) do the same.
 
-    The in-process cache (:func:`cache_stats`) is unaffected: a new process
-    still traces each program once (a miss), but XLA loads the executable
-    from disk instead of compiling it. Setting ``JAXNITRO_COMPILATION_CACHE``
-    before ``import jaxnitro`` is the same as calling this at import.
+    The in-process cache (:func:`cache_stats`) is unaffected: a new process still traces
+    each program once (a miss), but XLA loads the executable from disk instead of
+    compiling it.
 
     The folder is trusted code: do not share it with users you do not trust.
     """
-    if path is None:
-        path = os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "jaxnitro", "xla")
-    folder = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    os.makedirs(folder, exist_ok=True)
-    from jax.experimental.compilation_cache import compilation_cache as _cc
-
-    if jax.config.jax_compilation_cache_dir != folder:
-        _cc.reset_cache()  # a cache JAX already opened keeps its folder until reset
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    folder = first_result("jaxnitro_persistent_cache", path=None if path is None else os.fspath(path))
+    if folder is None:
+        raise RuntimeError(
+            f"jaxnitro: no plugin switches a persistent compilation cache on (hook "
+            f"`jaxnitro_persistent_cache`){disabled_note()}. Enable the built-in `compilation_cache` "
+            f"plugin, or install one that answers the hook."
+        )
     return folder
-
-
-def _enable_from_env() -> None:
-    if os.environ.get(CACHE_ENV):
-        enable_persistent_cache(os.environ[CACHE_ENV])

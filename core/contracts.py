@@ -26,6 +26,7 @@ __all__ = [
     "REPORTER_METHODS",
     "Reporter",
     "Source",
+    "StatefulStream",
     "StopPolicy",
 ]
 
@@ -43,7 +44,7 @@ REPORTER_METHODS = ("begin", "update", "close")
 class Logger(Protocol):
     """What the ``logger`` knob's objects (and ``jaxnitro_make_logger``'s answers) offer.
 
-    The run's :class:`~jaxnitro.logger.LoggerRelay` calls the verbs from lifecycle
+    The ``logger_relay`` plugin (:mod:`jaxnitro.plugins.logger_relay`) calls the verbs from lifecycle
     events; a logger that raises gets nothing more that run (the others go on).
     Optional verbs, called only when the logger has them: ``info() -> dict`` (what
     identifies it: a path, a URL; ``jn.logger_info``), ``backend`` (the wrapped
@@ -164,6 +165,34 @@ class Prefetcher(Protocol):
     def release(self) -> None: ...
 
     def info(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class StatefulStream(Protocol):
+    """A source that is iterated (not index-addressable) and can say where a pass over it
+    is, and continue a pass from there: a resumed run then starts exactly after the last
+    trained batch, with nothing read again (``jn.GrainStream``; ``jn.TorchStream`` over a
+    loader or ``IterableDataset`` with ``state_dict``/``load_state_dict``).
+
+    - ``iterator_state(batches)``: where the pass in progress (the latest ``__iter__``)
+      continues after its first ``batches`` batches, counted from the pass's start (or
+      from the state it was restored to): a JSON-able value (dicts, lists, str, numbers,
+      bool, None), which a checkpoint records. ``None``: this source cannot say (a resume
+      then reads the epoch again and drops what was trained, with a warning). The core asks
+      from the consumer's thread, when a checkpoint is written, for a count the pass has
+      already yielded; since prefetch reads ahead of training, the source keeps the state
+      after each batch it yields, for at least the batches read ahead
+      (:class:`jaxnitro.plugin.PassStates` does that bookkeeping).
+    - ``restore_iterator(state)``: the next pass (the next ``__iter__``) continues from
+      ``state`` (one ``iterator_state`` returned, by a source of the same type) instead
+      of starting afresh; the passes after it start afresh.
+    """
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def iterator_state(self, batches: int) -> Any: ...
+
+    def restore_iterator(self, state: Any) -> None: ...
 
 
 @runtime_checkable

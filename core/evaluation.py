@@ -8,7 +8,6 @@ padding.
 
 from __future__ import annotations
 
-import types
 import warnings
 import weakref
 
@@ -23,10 +22,11 @@ from .routing import KEY, KEY_COUNT, KEY_DATA, check_reserved_fields
 
 __all__ = ["evaluate_split", "predict_batch", "make_transfer", "check_eval_splits", "check_metric_names"]
 
-def _device_fields(nitro, hooks) -> tuple[str, ...]:
+def _device_fields(routes: dict, hooks) -> tuple[str, ...]:
+    """The batch fields ``hooks`` declare (``routes``: the plan's), in order, each once."""
     fields: list[str] = []
     for h in hooks:
-        route = nitro.plan.routes.get(h)
+        route = routes.get(h)
         if route is not None:
             fields += [f for f in route.fields if f not in fields]
     return tuple(fields)
@@ -43,20 +43,21 @@ def stages_on_device() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def _dist(nitro):
-    """The handle's :class:`~jaxnitro.distributed.Dist`, or None (one device, one process)."""
-    dist = getattr(nitro.plan, "dist", None)
+def _dist(plan):
+    """The plan's :class:`~jaxnitro.distributed.Dist` when it shards, or None (one device, one process)."""
+    dist = plan.dist
     return dist if dist is not None and dist.sharded else None
 
 
-def make_transfer(nitro, hooks):
-    """The host->device transfer of exactly the fields ``hooks`` declare (others never leave the host).
+def make_transfer(plan, hooks):
+    """The host->device transfer of exactly the fields ``hooks`` declare in ``plan``'s routes
+    (others never leave the host).
 
     On several devices (``n_devs`` > 1, or several processes) every field is placed sharded
     on its first dimension over the data mesh (in a multi-process job: this process's rows
     of the global batch, ``jax.make_array_from_process_local_data``)."""
-    fields = _device_fields(nitro, hooks)
-    dist = _dist(nitro)
+    fields = _device_fields(plan.routes, hooks)
+    dist = _dist(plan)
     if dist is not None:
         return lambda batch: dist.put_batch({f: batch[f] for f in fields if f in batch})
     if not stages_on_device():
@@ -65,36 +66,57 @@ def make_transfer(nitro, hooks):
     return lambda batch: put({f: batch[f] for f in fields if f in batch})
 
 
+def key_entries(rng) -> dict:
+    """The key entries for evaluation and prediction: the run's base key ``rng``, counter 0 (fixed)."""
+    return {KEY_DATA: rng, KEY_COUNT: np.uint32(0)}
+
+
 def eval_key_entries(nitro) -> dict:
-    """The key entries for evaluation and prediction: the run's base key, counter 0 (fixed)."""
-    return {KEY_DATA: nitro.state.rng, KEY_COUNT: np.uint32(0)}
+    """:func:`key_entries` of the handle's run key."""
+    return key_entries(nitro.state.rng)
+
+
+def _width_for(plan, n: int, what: str) -> int:
+    """The compiled width a batch of ``n`` rows runs at: the plan's, or, while it has none (a
+    handle without data, before its first batch), ``n`` (on several devices: a multiple of
+    their count). Refuses an empty batch and one wider than the plan's width."""
+    if n == 0:
+        raise ValueError(f"jaxnitro: {what} has no rows; pass a batch with at least one row.")
+    if plan.width is None:  # on several devices: a multiple of their count
+        dist = _dist(plan)
+        return dist.pad_width(n) if dist is not None else n
+    if n > plan.width:
+        raise ValueError(
+            f"jaxnitro: {what} has {n} rows, wider than the compiled batch width {plan.width}. "
+            f"Split it into batches of at most {plan.width} rows (an iterable of batches works: "
+            f"`nitro.predict(batches)`), or build a handle whose data has the wider batch."
+        )
+    return plan.width
+
+
+def _keep_width(nitro, width: int):
+    """The handle's plan with its compiled width: a handle without one (no data) takes the
+    first batch's, as a new plan (the same programs); returns the handle's plan."""
+    if nitro.plan.width is None:
+        nitro.plan = nitro.plan.replace(width=width)
+    return nitro.plan
 
 
 def _check_width(nitro, n: int, what: str) -> None:
-    if n == 0:
-        raise ValueError(f"jaxnitro: {what} has no rows; pass a batch with at least one row.")
-    if nitro.plan.width is None:  # on several devices: a multiple of their count
-        dist = _dist(nitro)
-        nitro.plan.width = dist.pad_width(n) if dist is not None else n
-    elif n > nitro.plan.width:
-        raise ValueError(
-            f"jaxnitro: {what} has {n} rows, wider than the compiled batch width {nitro.plan.width}. "
-            f"Split it into batches of at most {nitro.plan.width} rows (an iterable of batches works: "
-            f"`nitro.predict(batches)`), or build a handle whose data has the wider batch."
-        )
+    """Check a batch of ``n`` rows against the handle's compiled width (fixing it when unset)."""
+    _keep_width(nitro, _width_for(nitro.plan, n, what))
 
 
-def _staged_for_forward(nitro, batch, hooks, what: str):
-    """``(n, width, inputs)``: the fields ``hooks`` take, padded to the compiled width, with
-    the key entries when one of them declares ``key``. Checks the batch's width."""
+def _staged_for_forward(plan, rng, batch, hooks, what: str):
+    """``(n, width, inputs)``: the fields ``hooks`` take, padded to the compiled width (see
+    :func:`_width_for`), with the key entries (from ``rng``) when one of them declares ``key``."""
     n = batch_width(batch, what)
-    _check_width(nitro, n, what)
-    w = nitro.plan.width
-    inputs = {f: batch[f] for f in _device_fields(nitro, hooks) if f in batch}
+    w = _width_for(plan, n, what)
+    inputs = {f: batch[f] for f in _device_fields(plan.routes, hooks) if f in batch}
     if n < w:
         inputs = pad_batch(inputs, w)
-    if any(nitro.plan.routes[h].wants_key for h in hooks if h in nitro.plan.routes):
-        inputs.update(eval_key_entries(nitro))
+    if any(plan.routes[h].wants_key for h in hooks if h in plan.routes):
+        inputs.update(key_entries(rng))
     return n, w, inputs
 
 
@@ -111,18 +133,21 @@ def evaluate_split(nitro, split: str) -> dict:
     metrics_prog = progs.metrics() if device_metrics else None
     metrics_fn = nitro.plan.hooks["metrics"].function if "metrics" in nitro.plan.hooks else None
     staged_hooks = ("forward", "metrics") if device_metrics else ("forward",)
-    forward_fields = _device_fields(nitro, ("forward",)) + (
+    forward_fields = _device_fields(nitro.plan.routes, ("forward",)) + (
         (KEY_DATA, KEY_COUNT) if nitro.plan.routes["forward"].wants_key else ()
     )
     to_device = jax.device_put if stages_on_device() else (lambda b: b)
-    dist = _dist(nitro)
+    dist = _dist(nitro.plan)
     params, model_state = nitro.state.eval_params, nitro.model_state
     if dist is not None:  # this process's devices; its rows of the split
         to_device = dist.put_local_batch
         params, model_state, dev = dist.local((params, model_state, dev))
+    plan, rng = nitro.plan, nitro.state.rng
 
     def stage(batch):
-        n, w, inputs = _staged_for_forward(nitro, batch, staged_hooks, f"a batch of split `{split}`")
+        nonlocal plan
+        n, w, inputs = _staged_for_forward(plan, rng, batch, staged_hooks, f"a batch of split `{split}`")
+        plan = _keep_width(nitro, w)
         return n, w, batch, to_device(inputs)
 
     acc = MetricAccumulator()
@@ -196,9 +221,10 @@ def predict_batch(nitro, batch):
     route.check(batch.keys())
     host = {f: np.asarray(batch[f]) for f in route.fields if f in batch}  # only what forward takes
     check_predict_fields(nitro, host)
-    n, w, inputs = _staged_for_forward(nitro, host, ("forward",), "the prediction batch")
+    n, w, inputs = _staged_for_forward(nitro.plan, nitro.state.rng, host, ("forward",), "the prediction batch")
+    _keep_width(nitro, w)
     params, model_state, dev = nitro.state.eval_params, nitro.model_state, nitro.device_values
-    dist = _dist(nitro)
+    dist = _dist(nitro.plan)
     if dist is not None:  # on this process's devices
         params, model_state, dev = dist.local((params, model_state, dev))
         inputs = dist.put_local_batch(inputs)
@@ -352,11 +378,10 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
     warnings silenced: their values are never used), and what comes out is checked."""
     from .programs import with_key
 
-    nitro = types.SimpleNamespace(plan=plan, state=state, experiment=e, device_values=device_values)
     progs = plan.programs
     on_device = plan.metrics_on_device
     hooks = ("forward", "metrics") if on_device else ("forward",)
-    n, w, inputs = _staged_for_forward(nitro, first, hooks, "the `val` split's first batch")
+    n, w, inputs = _staged_for_forward(plan, state.rng, first, hooks, "the `val` split's first batch")
     forward_fields = set(plan.routes["forward"].fields) | {KEY_DATA, KEY_COUNT}
 
     def forward(params, model_state, dev, batch):

@@ -87,7 +87,7 @@ class RunContext:
         (``nitro.plan.resumed.continue_folder``) trains into that folder: its loggers find
         there what the interrupted run logged, possibly past this step (the checkpoint is older
         than the last logged line). Loggers use it (through the optional ``resume(step)`` verb,
-        which :class:`~jaxnitro.logger.LoggerRelay` calls first) to continue their records without
+        which the ``logger_relay`` plugin calls first) to continue their records without
         logging a step twice. It is the step the run starts from: the checkpoint's step
         (``resumed.step``) for the handle's first ``train()``, and the handle's step then for a
         later ``train()`` into the same folder. None for a new run folder (a fresh run, or a

@@ -20,6 +20,11 @@ import numpy as np
 
 import jax
 
+from . import hookspecs
+from .cache import stable_key
+from .describe import describe, summarize_value
+from .hookspecs import EXPERIMENT_HOOKS
+from .knob_table import RUN_KNOBS
 from .markers import Device, GraphConst, Host, Marker, StrippedHost, check_traced_host_use, marker_of
 
 __all__ = [
@@ -121,8 +126,6 @@ def is_array_value(value) -> bool:
 def graph_key(value):
     """The compile-key form of a GraphConst value: an array by ``(shape, dtype, hash of its
     bytes)`` (:func:`jaxnitro.cache.stable_key`), anything else (hashable) as it is."""
-    from .cache import stable_key
-
     return stable_key(value) if is_array_value(value) else value
 
 
@@ -367,8 +370,6 @@ def _declared_in(cls, name: str) -> str:
 
 
 def _hook_signature(hook: str) -> str:
-    from . import hookspecs
-
     params = [p for p in inspect.signature(getattr(hookspecs, hook)).parameters if p != "batch"]
     return f"{hook}({', '.join(params)})"
 
@@ -382,9 +383,6 @@ def _check_member_names(cls, infos: dict) -> dict:
       knob the method is kept aside (a method > a field, see :func:`method_of`); for any
       other name it is refused (``TypeError``).
     """
-    from .hookspecs import EXPERIMENT_HOOKS
-    from .knobs import RUN_KNOBS  # knobs imports this module
-
     name = cls.__name__
     for field in infos:
         if field in EXPERIMENT_HOOKS or field in RESERVED_HOOKS:
@@ -548,23 +546,11 @@ def _register_pytree(cls, infos: dict[str, FieldInfo]) -> None:
 # -- display ----------------------------------------------------------------
 
 
-def summarize_value(value) -> str:
-    """A short text for a field value: arrays by shape and dtype, others by repr (truncated)."""
-    if hasattr(value, "shape") and hasattr(value, "dtype") and np.ndim(value) > 0:
-        return f"{type(value).__name__}{tuple(value.shape)} {value.dtype}"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _experiment_repr(self) -> str:
-    from .describe import describe
-
     return describe(self, "text")
 
 
 def _experiment_repr_html(self) -> str:
-    from .describe import describe
-
     return describe(self, "html")
 
 

@@ -8,20 +8,22 @@ then simply absent, and the error says which plugins are disabled.
 
 from __future__ import annotations
 
+from .plugin_manager import disabled_note, plugin_exports, plugin_manager
+
 __all__ = ["lookup", "names", "forget"]
 
-_table: dict[str, object] | None = None
+_table: tuple[object, dict[str, object]] | None = None
+"""``(plugin manager, {name: object})``: built once per plugin manager, so that
+``reload_plugins`` (a new manager) gets a new table without telling this module."""
 
 
 def forget() -> None:
-    """Drop the cached table (after ``reload_plugins``)."""
+    """Drop the cached table (it is also rebuilt for each new plugin manager)."""
     global _table
     _table = None
 
 
 def _build(reserved: set[str]) -> dict[str, object]:
-    from .plugin_manager import plugin_exports
-
     table: dict[str, object] = {}
     owner: dict[str, str] = {}
     for plugin, names in plugin_exports():
@@ -43,9 +45,10 @@ def _build(reserved: set[str]) -> dict[str, object]:
 def names(reserved: set[str]) -> dict[str, object]:
     """``{name: object}`` exported by the loaded plugins (built once per plugin load)."""
     global _table
-    if _table is None:
-        _table = _build(reserved)
-    return _table
+    pm = plugin_manager()
+    if _table is None or _table[0] is not pm:
+        _table = (pm, _build(reserved))
+    return _table[1]
 
 
 def lookup(name: str, reserved: set[str]):
@@ -53,8 +56,6 @@ def lookup(name: str, reserved: set[str]):
     table = names(reserved)
     if name in table:
         return table[name]
-    from .plugin_manager import disabled_note
-
     raise AttributeError(
         f"module 'jaxnitro' has no attribute {name!r}: neither the core nor a loaded plugin "
         f"exports it{disabled_note()}."

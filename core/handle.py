@@ -28,13 +28,15 @@ from .interrupts import Preempted, stop_signals
 from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
 from .knobs import Settings
+from .memory import MemoryReport, preflight
 from .hookcalls import recording
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
 from .setup import build
 from .state import Plan, RunRecord, TrainState
+from .trainer import run_training
 
-__all__ = ["Nitro", "train"]
+__all__ = ["Nitro", "train", "memory_report"]
 
 
 class Nitro:
@@ -140,8 +142,6 @@ class Nitro:
         and the exception propagates.
         """
         emit("jaxnitro_before_verb", nitro=self, verb="train")
-        from .trainer import run_training
-
         if "train" not in self.data:
             raise ValueError(
                 f"jaxnitro: this handle has no `train` split (splits: {sorted(self.data)}); build it "
@@ -308,3 +308,20 @@ class Nitro:
 def train(experiment, **kwargs) -> Nitro:
     """``jn.train(e, **kw)`` is ``jn.Nitro(e, **kw).train()``."""
     return Nitro(experiment, **kwargs).train()
+
+
+def memory_report(experiment, **kwargs) -> MemoryReport:
+    """The memory preflight of ``jn.Nitro(experiment, **kwargs)`` without training: build the
+    handle (setup only), compile its first train step ahead of time (the programs then sit
+    in the compile cache: a handle trained next with the same settings compiles nothing) and
+    return the :class:`MemoryReport`, whether the step fits or not (``report.fits``)."""
+    kwargs.setdefault("logger", None)
+    nitro = Nitro(experiment, **kwargs)
+    if "train" not in nitro.data:
+        raise ValueError(
+            f"jaxnitro: memory_report needs a `train` split (splits: {sorted(nitro.data)}); the "
+            f"preflight compiles the train step. Return one from build_data or pass data=."
+        )
+    report = preflight(nitro, refuse=False)
+    nitro.plan.programs.memory = report  # kept with the programs it measured (``nitro.plan.memory``)
+    return report

@@ -64,6 +64,7 @@ OBSERVED = frozenset({
     "jaxnitro_describe", "jaxnitro_plot", "jaxnitro_load_weights", "jaxnitro_exports",
     "jaxnitro_run_ending", "jaxnitro_run_finish",
     "jaxnitro_export",
+    "jaxnitro_new_run_folder", "jaxnitro_persistent_cache",
 })
 """The hooks whose implementations note their results (and, in a guarded call, their errors),
 besides every ``firstresult`` extension hook (:func:`observed_hook`), listed or not."""

@@ -414,6 +414,33 @@ class ExtensionSpec:
         (``trylast``): ordered producer threads and transfers staged one batch ahead.
         """
 
+    @hookspec(firstresult=True)
+    def jaxnitro_new_run_folder(self, root: str, experiment: Any) -> str | None:
+        """Create a new, empty folder for one run under ``root`` and return its path, or ``None``
+        if not yours.
+
+        ``root`` is the ``run_dir`` knob as an absolute path; it may not exist yet (create it).
+        Never return a folder that existed before the call: a run folder holds one run (its
+        lock, ``metrics.jsonl``, checkpoints), and two runs started at once must get two
+        folders. ``experiment`` is the experiment instance being trained (name the folder
+        after it if you like). Called at the start of each ``train()`` that does not continue
+        a resumed run's folder; in a multi-process job, on process 0 only. An ``OSError``
+        raised here is reported naming ``run_dir`` and the fix. The built-in answer
+        (``run_folder`` plugin) is ``<root>/<YYYYmmdd-HHMMSS>-<n>``; the checkpointer's
+        ``("latest", ...)`` and ``resume="auto"`` look for folders named that way.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_persistent_cache(self, path: str | None) -> str | None:
+        """Switch a persistent (on-disk) compilation cache on for this process; return its
+        folder's absolute path, or ``None`` if not yours.
+
+        Asked by ``jn.enable_persistent_cache(path)``. ``path`` is the folder asked for, or
+        ``None`` for your default. Every program compiled afterwards should be written there
+        and read back by a later process. The built-in answer (``compilation_cache`` plugin)
+        is JAX's own cache (``jax_compilation_cache_dir``).
+        """
+
 
 class LifecycleSpec:
     """Lifecycle hooks: the core calls every plugin's implementation at fixed points of a run.

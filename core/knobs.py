@@ -18,44 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .experiment import call_method, fields_of, method_of, method_owner
-from .logger import DEFAULT_LOGGER
+from .knob_table import KNOB_DEFAULTS, PLUGIN_KNOBS, RUN_KNOBS
 
 __all__ = [
     "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "PLUGIN_KNOBS", "ResolvedKnob", "Settings",
     "check_keywords", "make_settings", "require_monitor_and_val", "resolve_knobs",
 ]
 
-KNOB_DEFAULTS: dict[str, object] = {
-    "seed": 0,
-    "run_dir": "runs",
-    "n_devs": None,
-    "accum": 1,
-    "steps_per_dispatch": "auto",
-    "max_epochs": 10,
-    "max_steps": None,
-    "val_every_n_steps": None,
-    "max_time": None,
-    "schedule_horizon": None,
-    "schedules": None,
-    "gradient_clip_norm": 0.0,
-    "check_divergence": True,
-    "autolog_schedules": True,
-    "log_every_n_steps": 1,
-    "logger": DEFAULT_LOGGER,
-    "checkpointer": None,
-    "early_stop": None,
-    "ema": None,
-    "profile": None,
-    "precision": "float32",
-    "remat": False,
-    "device_peak_flops": None,
-    "sharding": "replicated",
-    "mesh_shape": None,
-}
-RUN_KNOBS = tuple(KNOB_DEFAULTS)
-
-PLUGIN_KNOBS = ("early_stop", "checkpointer", "profile")
-"""Knobs the core does not act on itself: a plugin must accept them (``jaxnitro_accept_knob``)."""
+# KNOB_DEFAULTS, RUN_KNOBS, PLUGIN_KNOBS and DEFAULT_LOGGER live in jaxnitro.knob_table (a leaf module).
 
 HANDLE_KEYWORDS = ("data", "weights", "resume", "run_ref", "w0", "restore_optimizer", "restore_best")
 
@@ -172,6 +142,7 @@ class Settings:
     device_peak_flops: float | None = None
     sharding: str = "replicated"
     mesh_shape: dict | None = None
+    compilation_cache: object = None
 
     @property
     def step_budgeted(self) -> bool:
@@ -314,14 +285,16 @@ def check_optimizer_groups(groups, cls_name: str) -> None:
                 )
 
 
-def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Settings:
-    """Typed settings from resolved knobs (checked with :func:`check_values` first)."""
+def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sharding, mesh_shape) -> Settings:
+    """Typed settings from resolved knobs (checked with :func:`check_values` first), made once:
+    ``logger``, ``n_devs``, ``sharding`` and ``mesh_shape`` are those knobs as setup checked and
+    resolved them; ``monitor`` is the experiment's ``monitor`` answer (or None)."""
     check_values(knobs)
     k = {name: r.value for name, r in knobs.items()}
     return Settings(
         seed=int(k["seed"]),
         run_dir=os.fspath(k["run_dir"]),
-        n_devs=k["n_devs"],
+        n_devs=n_devs,
         accum=int(k["accum"]),
         steps_per_dispatch="auto" if k["steps_per_dispatch"] == "auto" else int(k["steps_per_dispatch"]),
         # with max_steps and no max_epochs of the user's, the steps alone end the run
@@ -346,8 +319,9 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor) -> Setting
         device_peak_flops=None if k["device_peak_flops"] is None else float(k["device_peak_flops"]),
         monitor=monitor,
         knobs=dict(knobs),
-        sharding=k["sharding"] or "replicated",
-        mesh_shape=k["mesh_shape"],
+        sharding=sharding,
+        mesh_shape=mesh_shape,
+        compilation_cache=k["compilation_cache"],
     )
 
 

@@ -27,7 +27,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .optim import OptimizerSpec, init_opt_state, set_hypers
+from .optim import OptimizerSpec, ema_params, ema_track, init_opt_state
 
 __all__ = [
     "ModelOptimizers", "Optimizers", "split_optimizer", "check_manual_experiment", "check_step_result",
@@ -40,11 +40,13 @@ class ModelOptimizers:
     """One optimizer per model: ``names[i]`` (a model's key in the dict model, or None for a
     single model) is updated by ``txs[i]``, built from ``specs[i]`` (the run's
     :class:`~jaxnitro.optim.OptimizerSpec` restricted to that model's groups; its
-    hyperparameter layout is the run's, so schedules reach every group)."""
+    hyperparameter layout is the run's, so schedules reach every group). ``ema_slot``: the EMA
+    decay's slot in it (the EMA is kept over every model's params, around the step), or None."""
 
     names: tuple
     specs: tuple
     txs: tuple
+    ema_slot: int | None = None
 
     @property
     def multi(self) -> bool:
@@ -52,13 +54,18 @@ class ModelOptimizers:
         return self.names != (None,)
 
     def init(self, params, anchor=None):
-        """The rules' state: ``{name: state}`` for a dict model, the one state otherwise."""
-        if not self.multi:
-            return init_opt_state(self.specs[0], self.txs[0], params, anchor)
-        return {
+        """The run's optimizer state: the rules' state (``{name: state}`` for a dict model, the
+        one state otherwise), with EMA on ``(rules, EmaState)`` as :func:`~jaxnitro.optim.ema_params` makes it."""
+        rules = init_opt_state(self.specs[0], self.txs[0], params, anchor) if not self.multi else {
             n: init_opt_state(s, tx, params[n], None if anchor is None else anchor[n])
             for n, s, tx in zip(self.names, self.specs, self.txs)
         }
+        return rules if self.ema_slot is None else (rules, ema_params(None).init(params))
+
+    def stepped(self, state, rules, params, hypers):
+        """The run's optimizer state after a step: the models' ``rules``, and the EMA (when on)
+        moved toward the step's new ``params`` (the experiment's step returns params, not updates)."""
+        return rules if self.ema_slot is None else (rules, ema_track(state[1], params, hypers[self.ema_slot]))
 
 
 def split_optimizer(spec: OptimizerSpec, params) -> ModelOptimizers:
@@ -68,8 +75,9 @@ def split_optimizer(spec: OptimizerSpec, params) -> ModelOptimizers:
     each model has its own optimizer, so a group cannot span models.
     """
     single = dataclasses.replace(spec, ema_decay=None)  # the EMA is kept over all params, outside
+    slot = spec.layout.ema_index if spec.ema else None
     if not isinstance(params, dict):
-        return ModelOptimizers((None,), (single,), (single.transformation(),))
+        return ModelOptimizers((None,), (single,), (single.transformation(),), slot)
     owner: dict[str, str] = {}
     names, specs, txs = [], [], []
     for name in params:
@@ -91,7 +99,7 @@ def split_optimizer(spec: OptimizerSpec, params) -> ModelOptimizers:
         names.append(name)
         specs.append(sub)
         txs.append(sub.transformation())
-    return ModelOptimizers(tuple(names), tuple(specs), tuple(txs))
+    return ModelOptimizers(tuple(names), tuple(specs), tuple(txs), slot)
 
 
 class Optimizers:
@@ -174,8 +182,7 @@ class Optimizers:
                 f"\n  model's arrays: {p_def}\n  grads: {g_def}"
             )
         grads = spec.clip(grads, self._hypers)
-        state = set_hypers(self._states[key], spec, self._hypers)
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(grads, self._states[key], params, hypers=self._hypers)
         self._log["updated"].add(key)
         new = self._derived(_states={**self._states, key: state}, _updated=self._updated | {key})
         return eqx.apply_updates(model, updates), new

@@ -34,7 +34,7 @@ from .batches import peek
 from .evaluation import make_transfer
 from .routing import KEY_COUNT, KEY_DATA
 
-__all__ = ["MemoryReport", "WontFitError", "preflight", "memory_report", "per_device_bytes", "device_capacity"]
+__all__ = ["MemoryReport", "WontFitError", "preflight", "per_device_bytes", "device_capacity"]
 
 TRAIN_HOOKS = ("forward", "loss", "train_metrics", "train_step")
 
@@ -142,7 +142,7 @@ def _first_batch(nitro) -> dict:
         first = peek(train)
     else:
         first = {f: np.zeros((plan.width, *shape), dtype) for f, (shape, dtype) in specs.items()}
-    batch = make_transfer(nitro, TRAIN_HOOKS)(first)
+    batch = make_transfer(plan, TRAIN_HOOKS)(first)
     if any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes):
         batch = {**batch, KEY_DATA: nitro.state.rng, KEY_COUNT: np.uint32(0)}
     return batch
@@ -266,20 +266,5 @@ def _refusal(nitro, r: MemoryReport) -> str:
     )
 
 
-def memory_report(experiment, **kwargs) -> MemoryReport:
-    """The memory preflight of ``jn.Nitro(experiment, **kwargs)`` without training: build the
-    handle (setup only), compile its first train step ahead of time (the programs then sit
-    in the compile cache: a handle trained next with the same settings compiles nothing) and
-    return the :class:`MemoryReport`, whether the step fits or not (``report.fits``)."""
-    from .handle import Nitro
-
-    kwargs.setdefault("logger", None)
-    nitro = Nitro(experiment, **kwargs)
-    if "train" not in nitro.data:
-        raise ValueError(
-            f"jaxnitro: memory_report needs a `train` split (splits: {sorted(nitro.data)}); the "
-            f"preflight compiles the train step. Return one from build_data or pass data=."
-        )
-    report = preflight(nitro, refuse=False)
-    nitro.plan.memory = report
-    return report
+# memory_report(experiment, **knobs), the verb that builds a handle for the preflight, is in
+# jaxnitro.handle (next to train): this module is below the handle.

@@ -17,9 +17,9 @@ A group whose ``decay_anchor`` is ``"w0"`` decays toward an anchor (L2-SP)
 rather than toward zero: the anchor is a copy of the initial (or transferred)
 weights kept in that group's optimizer state (:class:`AnchorState`).
 
-With ``ema=jn.EMA(decay)`` the optimizer state is ``(rule state, EmaState)``:
-the train-step program updates the moving average after each update, its
-decay read from the hyperparameter vector (a new decay compiles nothing).
+With ``ema=jn.EMA(decay)`` the chain ends with :func:`ema_params`, so the optimizer state
+is ``(rule state, EmaState)``: the update itself moves the average, its decay read from the
+hyperparameter vector (a new decay compiles nothing); :func:`ema_of` reads it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .plugin_manager import takes_positionals
 
 __all__ = [
     "GroupSpec", "OptimizerSpec", "HyperLayout", "rule_hypers", "AnchorState", "EmaState", "keypath_of",
-    "build_optimizer_spec", "init_opt_state", "with_ema", "split_ema", "join_ema", "ema_of", "rule_state_of",
+    "build_optimizer_spec", "init_opt_state", "ema_params", "ema_track", "ema_of", "rule_state_of", "with_parts",
 ]
 
 HYPERS = ("learning_rate", "weight_decay")
@@ -52,9 +52,9 @@ class AnchorState(NamedTuple):
 
 
 class EmaState(NamedTuple):
-    """The exponential moving average of the parameters (``ema=jn.EMA(decay)``)."""
+    """:func:`ema_params`' state: the exponential moving average of the parameters."""
 
-    ema: Any
+    params_ema: Any
 
 
 def _copy(tree):
@@ -211,8 +211,9 @@ class OptimizerSpec:
         """Whether the program clips the gradient (its threshold is an input, not part of the key)."""
         return bool(self.clip_norm and self.clip_norm > 0)
 
-    def transformation(self) -> optax.GradientTransformation:
-        """The optax transformation: one injected rule per group (clipping is applied before it)."""
+    def transformation(self) -> optax.GradientTransformationExtraArgs:
+        """The optax transformation: one injected rule per group (clipping is applied before
+        it), then :func:`ema_params` with EMA on; ``update`` takes the step's ``hypers=``."""
         per_group = {}
         for g in self.groups:
             defaults = rule_hypers(g.rule)
@@ -226,7 +227,8 @@ class OptimizerSpec:
         else:
             labels = self.labels  # an eqx.Module is callable: hand optax a function, not the tree
             tx = optax.multi_transform(per_group, lambda _params: labels)
-        return tx
+        tx, i = _fed(tx, self), self.layout.ema_index
+        return optax.chain(tx, ema_params(lambda hypers, **_: hypers[i])) if self.ema else tx
 
     def clip(self, grads, vector):
         """Clip ``grads`` by global norm at the threshold in ``vector`` (traced), if clipping is on."""
@@ -288,9 +290,8 @@ def _decoupled(rule: Callable, anchor: str = "zero", scheduled: tuple[str, ...] 
 
 
 def init_opt_state(spec: OptimizerSpec, tx, params, anchor=None):
-    """The optimizer state for ``params``: the rules' state, with ``(rules, EmaState)`` when
-    EMA is on (the average starts at ``params``). ``anchor``: the weights ``"w0"`` groups
-    decay toward, when they are not ``params`` (e.g. ``build_model``'s after a warm start)."""
+    """The optimizer state for ``params`` (``tx.init``: the EMA starts at ``params``). ``anchor``: the
+    weights ``"w0"`` groups decay toward, when not ``params`` (``build_model``'s after a warm start)."""
     state = tx.init(params)
     if spec.anchored and anchor is not None:
         is_anchor = lambda x: isinstance(x, AnchorState)  # noqa: E731
@@ -298,41 +299,57 @@ def init_opt_state(spec: OptimizerSpec, tx, params, anchor=None):
         state = jax.tree_util.tree_map(
             lambda cur, a: a if is_anchor(cur) else cur, state, from_anchor, is_leaf=is_anchor
         )
-    return with_ema(state, params, spec)
+    return state
 
 
-def with_ema(rules, params, spec: "OptimizerSpec"):
-    """``(rules, EmaState(a copy of params))`` when ``spec`` keeps an EMA (the average starts
-    at ``params``), else ``rules``."""
-    return (rules, EmaState(_copy(params))) if spec.ema else rules
+def ema_params(decay) -> optax.GradientTransformationExtraArgs:
+    """The optax transformation, last in a chain, whose state (:class:`EmaState`, read by
+    :func:`ema_of`) keeps an exponential moving average of the params, starting at ``init``'s:
+    ``update(updates, state, params, **extra)`` passes ``updates`` through and moves the average
+    to ``ema + (1 - decay) * (new - ema)``, ``new = optax.apply_updates(params, updates)`` (no
+    bias correction). ``decay``: a number (float32), or a function of the extra arguments
+    (jaxnitro's reads the step's ``hypers=`` vector: a new decay compiles nothing)."""
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("jaxnitro: ema_params needs the params: call `tx.update(updates, state, params)`.")
+        d = decay(**extra) if callable(decay) else jnp.asarray(decay, jnp.float32)
+        return updates, ema_track(state, optax.apply_updates(params, updates), d)
+
+    return optax.GradientTransformationExtraArgs(lambda params: EmaState(_copy(params)), update)
 
 
-def split_ema(opt_state, spec: OptimizerSpec):
-    """``(rule state, EmaState or None)``."""
-    return (opt_state[0], opt_state[1]) if spec.ema else (opt_state, None)
-
-
-def join_ema(rule_state, ema, spec: OptimizerSpec):
-    return (rule_state, ema) if spec.ema else rule_state
-
-
-def update_ema(ema: EmaState, params, decay) -> EmaState:
-    """``ema + (1 - decay) * (params - ema)`` (traced, inside the train step)."""
+def ema_track(state: EmaState, params, decay) -> EmaState:
+    """``ema + (1 - decay) * (params - ema)``: the average moved toward ``params``."""
     return EmaState(
-        jax.tree_util.tree_map(lambda e, p: e + ((1 - decay) * (p - e)).astype(e.dtype), ema.ema, params)
+        jax.tree_util.tree_map(lambda e, p: e + ((1 - decay) * (p - e)).astype(e.dtype), state.params_ema, params)
     )
 
 
 def ema_of(opt_state):
-    """The EMA of the params held in ``opt_state``, or None."""
-    if isinstance(opt_state, tuple) and len(opt_state) == 2 and isinstance(opt_state[1], EmaState):
-        return opt_state[1].ema
-    return None
+    """The moving average of the params that ``opt_state`` holds (:func:`ema_params` ending its chain), or None."""
+    if type(opt_state) is tuple and opt_state:  # a chain's state (not a NamedTuple): the EMA ends it
+        opt_state = opt_state[-1]
+    return opt_state.params_ema if isinstance(opt_state, EmaState) else None
 
 
 def rule_state_of(opt_state):
-    """The optimizer rules' state (``opt_state`` without the EMA)."""
+    """The optimizer rules' state (``opt_state`` without the EMA, which ends the chain)."""
     return opt_state[0] if ema_of(opt_state) is not None else opt_state
+
+
+def with_parts(opt_state, rules, ema=None):
+    """An optimizer state laid out as ``opt_state``: the rules' state, and its EMA when it keeps one."""
+    return (rules, EmaState(ema)) if ema_of(opt_state) is not None else rules
+
+
+def _fed(tx, spec: "OptimizerSpec") -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``update`` first writes the step's hyperparameter vector (``hypers=``) into its state."""
+
+    def update(updates, state, params=None, *, hypers, **extra):
+        return tx.update(updates, set_hypers(state, spec, hypers), params)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def set_hypers(opt_state, spec: OptimizerSpec, vector):

@@ -15,8 +15,9 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 
 **Shapes** (``typing.Protocol``, ``runtime_checkable``): :class:`Logger`,
 :class:`Reporter`, :class:`Source`, :class:`IndexedSource`, :class:`StopPolicy`,
-:class:`Checkpointer`, :class:`Exporter`, :class:`Prefetcher` (a wrapped split,
-``jaxnitro_make_prefetcher``'s answer).
+:class:`Checkpointer`, :class:`Exporter`, :class:`StatefulStream` (a stream that records and
+restores its iterator state; :class:`PassStates` keeps its per-batch states), :class:`Prefetcher`
+(a wrapped split, ``jaxnitro_make_prefetcher``'s answer).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -39,12 +40,13 @@ distribution.
   :func:`best_positions`;
 * data: :func:`as_batch`, :func:`check_fields`, :func:`check_epoch`, :func:`aligned`,
   :class:`ProcessPart`, :func:`split_by_process`;
-* loggers and progress: :func:`scalar_value`, :data:`LOGGER_VERBS`, :func:`make_reporter`,
-  :func:`current_note`;
+* loggers and progress: :func:`scalar_value`, :data:`LOGGER_VERBS`, :func:`identify_logger`,
+  :func:`describe`, :func:`make_reporter`, :func:`current_note`;
 * checkpoints: :class:`WeightsRecord`, :class:`NoCheckpointError`, :func:`incompatibility`,
   :func:`jsonable`, :func:`from_jsonable`, :func:`tree_listing`, :func:`ema_of`,
   :func:`rule_state_of`, :data:`HYPERS`;
 * export: :class:`InferenceProgram` (what ``jaxnitro_export`` gets), :func:`pad_batch`;
+* the persistent compilation cache: :data:`CACHE_ENV`;
 * reading a split (what a prefetcher plugin builds on): :class:`SplitWrapper` (a base with
   the :class:`Prefetcher` members, reading serially; subclasses override ``_stream``),
   :class:`EpochStream`, :class:`NoPrefetch` (the core's fallback), the serial pass
@@ -60,6 +62,7 @@ import sys
 
 from .batches import pad_batch
 from .blocks import aligned
+from .cache import CACHE_ENV
 from .contracts import (
     LOGGER_VERBS,
     REPORTER_METHODS,
@@ -72,19 +75,21 @@ from .contracts import (
     Prefetcher,
     Reporter,
     Source,
+    StatefulStream,
     StopPolicy,
 )
+from .describe import describe, summarize_value
 from .distributed import ProcessPart, split_by_process
 from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
-from .experiment import call_method, fields_of, is_experiment, method_of, summarize_value, to_device_value
+from .experiment import call_method, fields_of, is_experiment, method_of, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
 from .plugin_manager import answer_source
 from .history import best_positions, improves
 from .inference import InferenceProgram
 from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
-from .logger import scalar_value
+from .logger import identify_logger, scalar_value
 from .optim import HYPERS, ema_of, rule_state_of
 from .serial_pass import host_items, serial, skipped, transferred
 from .source_contract import accessors, adapted, check_epoch, describe, is_addressable, length_of
@@ -92,6 +97,7 @@ from .source_errors import PrefetchError, SourceLengthError, failure_error
 from .split_wrapper import EpochStream, NoPrefetch, SplitWrapper
 from .progress import current_note, make_reporter
 from .sources import as_batch, check_fields
+from .stream_state import PassStates
 from .weights import NoCheckpointError, WeightsRecord, from_jsonable, incompatibility, jsonable, tree_listing
 
 __all__ = [
@@ -99,7 +105,8 @@ __all__ = [
     "hookimpl", "hookspec", "ExtensionSpec", "LifecycleSpec", "EXPERIMENT_HOOKS",
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
-    "StopPolicy", "Checkpointer", "Exporter", "Prefetcher", "PREFETCHER_MEMBERS",
+    "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates", "Prefetcher",
+    "PREFETCHER_MEMBERS",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs
@@ -111,12 +118,14 @@ __all__ = [
     # data
     "as_batch", "check_fields", "check_epoch", "aligned", "ProcessPart", "split_by_process",
     # loggers and progress
-    "scalar_value", "make_reporter", "current_note",
+    "scalar_value", "make_reporter", "current_note", "identify_logger", "describe",
     # checkpoints
     "WeightsRecord", "NoCheckpointError", "incompatibility", "jsonable", "from_jsonable",
     "tree_listing", "ema_of", "rule_state_of", "HYPERS",
     # export
     "InferenceProgram", "pad_batch",
+    # the persistent compilation cache
+    "CACHE_ENV",
     # reading a split (the prefetch plugin builds on these)
     "SplitWrapper", "EpochStream", "NoPrefetch", "host_items", "serial", "skipped", "transferred",
     "accessors", "adapted", "describe", "is_addressable", "length_of",

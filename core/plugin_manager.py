@@ -36,6 +36,7 @@ import pluggy
 from . import hookspecs
 from .hookcalls import Answer, Manager, call, first_answer, forget_answers, latest_answers
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
+from .knob_table import RUN_KNOBS
 
 __all__ = [
     "PluginInfo",
@@ -155,10 +156,7 @@ def reload_plugins() -> pluggy.PluginManager:
     global _GLOBAL
     _GLOBAL = None
     _DIST_NAMES.clear()
-    forget_answers()
-    from .exports import forget
-
-    forget()
+    forget_answers()  # the exports table (jaxnitro.exports) is rebuilt for the new manager
     return plugin_manager()
 
 
@@ -320,8 +318,6 @@ def _public_methods(cls):
 def warn_misspelled_hooks(e) -> None:
     """Warn (``UserWarning``) for a public method of the experiment whose name is close to a
     hook or run-knob name but is neither: it would be silently ignored (``metric``, ``monitr``)."""
-    from .knobs import RUN_KNOBS  # knobs imports the experiment module; imported lazily here
-
     known = EXPERIMENT_HOOKS + RUN_KNOBS
     fields = getattr(type(e), "__jaxnitro_fields__", {})
     for name, klass in _public_methods(type(e)).items():

@@ -43,7 +43,7 @@ from .knobs import RUN_KNOBS
 from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
-from .optim import OptimizerSpec, join_ema, set_hypers, split_ema, update_ema
+from .optim import OptimizerSpec, rule_state_of
 from .precision import Policy
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 from .sharding import constrain
@@ -152,11 +152,13 @@ class ProgramSet:
 
     Construct with everything that shapes the graphs; programs are requested
     (and, on first call with a new signature, compiled) lazily by the verbs.
-    ``layout`` (set by setup, :class:`~jaxnitro.sharding.Layout`): with split parameters, the
+    ``layout`` (:class:`~jaxnitro.sharding.Layout`, or None): with split parameters, the
     train programs pin the params, gradients and optimizer state they return to it.
+    ``memory``: the memory preflight's report of the first train step, kept with the compiled
+    programs it measured (set once, by the run's first step or ``jn.memory_report``), or None.
     """
 
-    layout = None
+    memory = None
 
     def __init__(
         self,
@@ -171,8 +173,10 @@ class ProgramSet:
         state_def,
         train_metrics_on_host: bool = False,
         precision: Policy | None = None,
+        layout=None,
     ):
         self.cls = cls
+        self.layout = layout
         self.hooks = hooks
         self.routes = routes
         self.graph_values = dict(graph_values)
@@ -342,13 +346,8 @@ class ProgramSet:
             grads = jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
             grads = jax.tree_util.tree_unflatten(p_def, constrain(jax.tree_util.tree_leaves(grads), self._pinned("params")))
             grads = opt.clip(grads, hypers)
-            rule_state, ema = split_ema(opt_state, opt)
-            rule_state = set_hypers(rule_state, opt, hypers)
-            updates, rule_state = tx.update(grads, rule_state, params)
+            updates, opt_state = tx.update(grads, opt_state, params, hypers=hypers)
             params = eqx.apply_updates(params, updates)
-            if ema is not None:  # the moving average, in the same program: no extra dispatch
-                ema = update_ema(ema, params, hypers[opt.layout.ema_index])
-            opt_state = join_ema(rule_state, ema, opt)
             leaves = jax.tree_util.tree_leaves
             return (constrain(leaves(params), self._pinned("params")), leaves(new_state),
                     constrain(leaves(opt_state), self._pinned("opt")), aux)
@@ -368,20 +367,19 @@ class ProgramSet:
             batch = with_key(batch)
             given = jax.tree_util.tree_unflatten(p_def, p_leaves)
             model_state = jax.tree_util.tree_unflatten(s_def, s_leaves)
-            rules, ema = split_ema(jax.tree_util.tree_unflatten(opt_def, o_leaves), opt)
+            opt_state = jax.tree_util.tree_unflatten(opt_def, o_leaves)
             models = eqx.combine(given, self.skeleton.static)
             res = self._hook("train_step")(
-                self.view(dev), models, Optimizers(model_opts, rules, hypers, model_state),
+                self.view(dev), models, Optimizers(model_opts, rule_state_of(opt_state), hypers, model_state),
                 **self.routes["train_step"].select(batch),
             )
             params, rules, meta["aux_names"], aux, model_state = check_step_result(
                 res, name, p_def, model_opts, given, s_def
             )
-            if ema is not None:
-                ema = update_ema(ema, params, hypers[opt.layout.ema_index])
+            opt_state = model_opts.stepped(opt_state, rules, params, hypers)
             leaves = jax.tree_util.tree_leaves
             return (constrain(leaves(params), self._pinned("params")), leaves(model_state),
-                    constrain(leaves(join_ema(rules, ema, opt)), self._pinned("opt")), aux)
+                    constrain(leaves(opt_state), self._pinned("opt")), aux)
 
         return train_step
 
@@ -391,10 +389,10 @@ class ProgramSet:
 
         ``acc`` is None for ``accum == 1``; ``scale`` is ``1/accum`` (an input,
         so every ``accum`` shares the program); ``hypers`` is the per-step
-        hyperparameter vector laid out by ``opt.layout`` (with ``opt.ema``, its last
-        slot is the EMA decay: the average is updated here, after the update, so it
-        costs no dispatch); ``aux`` is ``[loss, *train_metrics]`` of the step's last
-        micro-batch (the host averages it with the accumulate programs' ones).
+        hyperparameter vector laid out by ``opt.layout``, handed to ``tx.update`` (an EMA,
+        :func:`~jaxnitro.optim.ema_params`, reads its decay there); ``aux`` is
+        ``[loss, *train_metrics]`` of the step's last micro-batch (the host averages it with
+        the accumulate programs' ones).
         """
         return self._program(
             "train_step",

@@ -28,9 +28,9 @@ from .experiment import check_traced_code, fields_of, is_experiment, to_device_v
 from .knobs import Settings
 from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
-from .optim import build_optimizer_spec, init_opt_state, with_ema
+from .optim import build_optimizer_spec, init_opt_state
 from .plugin_manager import resolve_hooks
-from .source_contract import bind_seed
+from .source_contract import bind_seed, is_addressable
 from .precision import check_knobs as check_precision_knobs
 from .precision import make_policy
 from .programs import ProgramSet, split_model
@@ -40,6 +40,7 @@ from .routing import check_reserved_fields, route_of
 from .schedules import bind_schedules, scheduled_rule_hypers
 from .sharding import check_mesh_shape, check_sharding_knob, param_layout
 from .state import Plan, TrainState
+from .stream_state import check_resume as check_stream_resume
 from .weights import (
     check_ema_knob,
     check_tree_and_graph,
@@ -59,7 +60,7 @@ TRACED_HOOKS = ("forward", "loss", "train_metrics", "train_step", "metrics")
 """Hooks whose keyword-only parameters are routed batch fields."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Built:
     """What setup produced for one handle (see the module docstring)."""
 
@@ -76,30 +77,31 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     _check_call(experiment, kwargs)
     e = experiment
     hooks = resolve_hooks(e, Defaults())
-    settings = _settings(e, kwargs)
+    settings = _settings(e, kwargs, hooks)
     dist = make_dist(settings.n_devs, settings.mesh_shape)
-    record = find_record(e, kwargs, settings.run_dir, _monitor(e, hooks))  # weights= / resume= checkpoints
+    record = find_record(e, kwargs, settings.run_dir, settings.monitor)  # weights= / resume= checkpoints
     steps.to("building data")
     data, e, derived = _load_data(e, hooks, kwargs, steps, record, dist, settings.seed)
+    if e is not experiment:  # derive (or the record) filled fields the monitor hook may read
+        monitor = _monitor(e, hooks)
+        settings = settings if monitor == settings.monitor else dataclasses.replace(settings, monitor=monitor)
     steps.to("checking splits")
-    plan = _check_splits(hooks, data, settings)
-    plan.derived = derived
-    plan.dist = dist
-    check_batch_divides(plan.width if "train" in data else None, dist)
+    routes, width, batch_fields = _check_splits(hooks, data, settings)
+    check_batch_divides(width if "train" in data else None, dist)
     steps.to("building model")
-    state, initial = _build_model(e, plan, settings, kwargs.get("weights"), record)
+    state, initial, model = _build_model(e, hooks, dist, settings, kwargs.get("weights"), record)
     device_values = {
         name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
         for name, info in fields_of(e).items()
         if info.is_device
     }
-    plan.metrics_on_device = _metrics_on_device(e, plan)
-    check_traced_code(e, plan.hooks, plan.metrics_on_device, _train_metrics_on_host(e, plan))
-    plan.programs = _program_set(e, plan, state, settings)
+    metrics_on_device = _metrics_on_device(e, hooks, routes, dist)
+    check_traced_code(e, hooks, metrics_on_device, _train_metrics_on_host(e, hooks))
+    program_args = _program_args(e, hooks, routes, model.skeleton, state, settings)
     steps.to("building optimizer")
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
-    plan.anchor_from = plan.weights_from if kwargs.get("w0") == "weights" else "build_model"
-    state = _build_optimizer(e, plan, settings, data, state, anchor)
+    anchor_from = model.weights_from if kwargs.get("w0") == "weights" else "build_model"
+    state, opt = _build_optimizer(e, hooks, model.layout, settings, data, state, anchor)
     spe = len(data["train"]) // settings.accum if "train" in data and is_sized(data["train"]) else None
     if "train" in data and spe is None and settings.max_steps is None:
         raise ValueError(
@@ -107,14 +109,25 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
             f"so max_epochs cannot bound the run and nothing would end it. Pass `max_steps=N` (the "
             f"optimizer steps to take), or give the source a __len__."
         )
+    resumed, weights_from = None, model.weights_from
     if record is not None and kwargs.get("weights") is None:  # resume=
-        state = install_resume(
-            state, plan, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)), steps_per_epoch=spe
+        state, resumed, weights_from = install_resume(
+            state, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)),
+            steps_per_epoch=spe,
         )
-    settings = dataclasses.replace(settings, monitor=_monitor(e, hooks))
     if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
-        schedule_horizon(settings, spe, plan.bindings, record.metadata)
+        schedule_horizon(settings, spe, opt.bindings, record.metadata)
+    plan = Plan(
+        hooks=hooks, routes=routes, width=width, batch_fields=batch_fields, metrics_on_device=metrics_on_device,
+        skeleton=model.skeleton, programs=ProgramSet(**program_args, layout=opt.layout), opt_spec=opt.opt_spec,
+        tx=opt.tx, base_lr=opt.base_lr, bindings=opt.bindings, weights_from=weights_from, derived=derived,
+        anchor_from=anchor_from, resumed=resumed, weights_meta=None if record is None else dict(record.metadata),
+        dist=dist, layout=opt.layout,
+    )
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
+    if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: a stream's
+        train = unwrap(data["train"])  # saved iterator state fits only the source type that saved it
+        check_stream_resume(train, is_addressable(train), record.metadata, record.path)
     state, device_values = _place_state(plan, state), dist.replicate(device_values)  # n_devs > 1: on the mesh
     return Built(e, settings, data, plan, state, device_values)
 
@@ -132,7 +145,8 @@ def _check_call(experiment, kwargs: dict) -> None:
     check_weight_keywords(kwargs)
 
 
-def _settings(e, kwargs: dict) -> Settings:
+def _settings(e, kwargs: dict, hooks: dict) -> Settings:
+    """The run knobs, checked and resolved, and the experiment's ``monitor``: one :class:`Settings`."""
     knobs = _knobs.resolve_knobs(e, kwargs)
     check_ema_knob(knobs["ema"].value, knobs["ema"].source)
     n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
@@ -141,8 +155,8 @@ def _settings(e, kwargs: dict) -> Settings:
     sharding = check_sharding_knob(knobs["sharding"].value, knobs["sharding"].source)
     mesh_shape = check_mesh_shape(knobs["mesh_shape"].value, knobs["mesh_shape"].source, n_devs)
     _check_mesh_processes(mesh_shape, n_devs, knobs["mesh_shape"].source)
-    return dataclasses.replace(_knobs.make_settings(knobs, logger=logger, monitor=None), n_devs=n_devs,
-                               sharding=sharding, mesh_shape=mesh_shape)
+    return _knobs.make_settings(knobs, logger=logger, monitor=_monitor(e, hooks), n_devs=n_devs,
+                                sharding=sharding, mesh_shape=mesh_shape)
 
 
 def _check_mesh_processes(mesh_shape, n_devs: int, source: str) -> None:
@@ -213,63 +227,88 @@ def _load_data(e, hooks: dict, kwargs: dict, steps: SetupSteps, record=None, dis
     return data, attrs.evolve(e, **derived), dict(derived)
 
 
-def _check_splits(hooks: dict, data: dict, settings: Settings) -> Plan:
-    """Resolve routing; check the train split (or find the batch width from another split)."""
+def _check_splits(hooks: dict, data: dict, settings: Settings) -> tuple[dict, int | None, tuple | None]:
+    """Resolve routing; check the train split (or find the batch width from another split).
+    Returns ``(routes, width, batch_fields)``."""
     routes = {h: route_of(h, hooks[h].function) for h in TRACED_HOOKS if h in hooks}
-    plan = Plan(hooks=hooks, routes=routes, width=None, batch_fields=None)
+    width = batch_fields = None
     if "train" in data:
-        plan.width = check_train_split(data["train"], settings.accum)
+        width = check_train_split(data["train"], settings.accum)
         first = peek(data["train"])
         if first is not None:
             for h in ("forward", "loss", "train_metrics", "train_step"):
                 if h in routes:
                     routes[h].check(first.keys())
-            plan.batch_fields = tuple(first.keys())
+            batch_fields = tuple(first.keys())
             check_reserved_fields(first.keys(), routes, "the `train` split's first batch")
-        return plan
+        return routes, width, batch_fields
     for split, src in data.items():
         first = peek(src) if len(src) else None
         if first is not None:
-            plan.width = batch_width(first, f"`{split}` split's first batch")
+            width = batch_width(first, f"`{split}` split's first batch")
             break
-    return plan
+    return routes, width, batch_fields
 
 
-def _build_model(e, plan: Plan, settings: Settings, weights, record=None) -> tuple[TrainState, object]:
+@dataclass(frozen=True)
+class _Model:
+    """What building the model settles for the plan: its static half, the params' layout on
+    the mesh (before the optimizer state joins it) and where the weights came from, in words."""
+
+    skeleton: object
+    layout: object
+    weights_from: str
+
+
+@dataclass(frozen=True)
+class _Optimizer:
+    """What building the optimizer settles for the plan (each None without a train split,
+    except ``bindings``; ``layout`` then is the model's)."""
+
+    opt_spec: object
+    tx: object
+    base_lr: float | None
+    bindings: object
+    layout: object
+
+
+def _build_model(e, hooks: dict, dist, settings: Settings, weights, record=None) -> tuple[TrainState, object, _Model]:
     """Call ``build_model`` with a key from the seed; partition it once; warm-start or install a
     checkpoint record's weights if asked (a resume installs its state after the optimizer).
-    Returns ``(state, build_model's params)``."""
+    Returns ``(state, build_model's params, the model's part of the plan)``."""
     for hook in ("build_model", "forward"):
-        if hook not in plan.hooks:
+        if hook not in hooks:
             raise TypeError(
                 f"jaxnitro: {type(e).__name__} has no `{hook}` hook; define it as a method "
                 f"(see jaxnitro.hookspecs.{hook})."
             )
     model_key, run_key = jax.random.split(jax.random.PRNGKey(settings.seed))
-    built = plan.hooks["build_model"].function(e, model_key)
+    built = hooks["build_model"].function(e, model_key)
     # (model, eqx.nn.State) from eqx.nn.make_with_state; anything else is the model itself
     # (a tuple of modules is a valid model).
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], eqx.nn.State):
         model, model_state = built
     else:
         model, model_state = built, None
-    params, plan.skeleton = split_model(model)
-    plan.layout = param_layout(e, plan.hooks, params, plan.dist.mesh, settings.sharding, plan.dist.multi_process)
-    if plan.layout.sharded:  # placed now: restored weights land on their shards
-        params = plan.layout.place_params(params)
+    params, skeleton = split_model(model)
+    layout = param_layout(e, hooks, params, dist.mesh, settings.sharding, dist.multi_process)
+    if layout.sharded:  # placed now: restored weights land on their shards
+        params = layout.place_params(params)
     state = TrainState(params=params, model_state=model_state, opt_state=None, step=0, epoch=0, rng=run_key)
-    plan.weights_from = "build_model (seed %d)" % settings.seed
+    weights_from = "build_model (seed %d)" % settings.seed
     initial = state.params
     if record is not None:
         check_tree_and_graph(e, state.params, record, "weights" if weights is not None else "resume")
         if weights is not None:
-            state = install_weights(state, plan, record)
+            state, weights_from = install_weights(state, record)
     elif weights is not None:
-        state = _warm_start(state, plan, weights)
-    return state, initial
+        state, weights_from = _warm_start(state, weights)
+    return state, initial, _Model(skeleton, layout, weights_from)
 
 
-def _warm_start(state: TrainState, plan: Plan, other) -> TrainState:
+def _warm_start(state: TrainState, other) -> tuple[TrainState, str]:
+    """``weights=`` another handle: a copy of its params (and model state); returns
+    ``(state, where the weights came from)``."""
     theirs_state = other.state
     diff = tree_diff(tree_listing(state.params), tree_listing(theirs_state.params))
     if diff:
@@ -280,15 +319,12 @@ def _warm_start(state: TrainState, plan: Plan, other) -> TrainState:
         )
     copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)  # noqa: E731
     model_state = state.model_state if theirs_state.model_state is None else copy(theirs_state.model_state)
-    plan.weights_from = (
-        f"warm start from a {type(other.experiment).__name__} handle (step {theirs_state.step})"
-    )
-    return state.replace(params=copy(theirs_state.params), model_state=model_state)
+    weights_from = f"warm start from a {type(other.experiment).__name__} handle (step {theirs_state.step})"
+    return state.replace(params=copy(theirs_state.params), model_state=model_state), weights_from
 
 
-def _metrics_on_device(e, plan: Plan) -> bool:
+def _metrics_on_device(e, hooks: dict, routes: dict, dist) -> bool:
     """Check ``metrics_residency``'s answers; True when ``metrics`` is traced."""
-    hooks, routes = plan.hooks, plan.routes
     residency = hooks["metrics_residency"].function
     for hook in ("metrics", "train_metrics"):
         where = residency(e, hook)
@@ -296,8 +332,7 @@ def _metrics_on_device(e, plan: Plan) -> bool:
             raise ValueError(
                 f"jaxnitro: metrics_residency({hook!r}) returned {where!r}; expected 'device' or 'host'."
             )
-    dist = getattr(plan, "dist", None)
-    if _train_metrics_on_host(e, plan) and dist is not None and dist.multi_process:
+    if _train_metrics_on_host(e, hooks) and dist is not None and dist.multi_process:
         raise ValueError(
             f"jaxnitro: metrics_residency('train_metrics') is 'host', but this is a multi-process job "
             f"({dist.process_count} processes): a host-resident train_metrics would run on one "
@@ -305,7 +340,7 @@ def _metrics_on_device(e, plan: Plan) -> bool:
             f"is traced and reduced across processes with the step), or compute it per process "
             f"from `metrics` on the `val` split."
         )
-    if "train_metrics" in routes and routes["train_metrics"].wants_key and _train_metrics_on_host(e, plan):
+    if "train_metrics" in routes and routes["train_metrics"].wants_key and _train_metrics_on_host(e, hooks):
         raise TypeError(
             "jaxnitro: `train_metrics` declares the keyword `key`, but it runs on the host (its "
             "metrics_residency is 'host'); a PRNG key is supplied to traced hooks only. Drop "
@@ -321,15 +356,17 @@ def _metrics_on_device(e, plan: Plan) -> bool:
     return on_device
 
 
-def _train_metrics_on_host(e, plan: Plan) -> bool:
+def _train_metrics_on_host(e, hooks: dict) -> bool:
     """Whether ``train_metrics`` runs on the host (``metrics_residency`` = ``"host"``): the
     training step then hands each micro-batch's outputs to it through a host callback."""
-    return "train_metrics" in plan.hooks and plan.hooks["metrics_residency"].function(e, "train_metrics") == "host"
+    return "train_metrics" in hooks and hooks["metrics_residency"].function(e, "train_metrics") == "host"
 
 
-def _program_set(e, plan: Plan, state: TrainState, settings: Settings) -> ProgramSet:
+def _program_args(e, hooks: dict, routes: dict, skeleton, state: TrainState, settings: Settings) -> dict:
+    """The :class:`ProgramSet`'s arguments but the layout (checked here; the set is made with
+    the plan, once the optimizer state's layout is known)."""
     infos = fields_of(e)
-    if settings.precision != "float32" and "train_step" in plan.hooks:
+    if settings.precision != "float32" and "train_step" in hooks:
         raise ValueError(
             f"jaxnitro: run knob `precision` = {settings.precision!r} ({settings.source('precision')}), "
             f"but {type(e).__name__} writes its own `train_step`, whose losses and gradients the "
@@ -337,26 +374,29 @@ def _program_set(e, plan: Plan, state: TrainState, settings: Settings) -> Progra
             f"`jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), model)` before the forward "
             f"pass, the loss in float32), and leave `precision` at 'float32'."
         )
-    return ProgramSet(
+    return dict(
         cls=type(e),
-        hooks=plan.hooks,
-        routes=plan.routes,
+        hooks=hooks,
+        routes=routes,
         graph_values={n: getattr(e, n) for n, i in infos.items() if i.is_graph_const},
         host_fields=tuple(n for n, i in infos.items() if i.is_host),
-        skeleton=plan.skeleton,
+        skeleton=skeleton,
         param_def=jax.tree_util.tree_structure(state.params),
         state_def=jax.tree_util.tree_structure(state.model_state),
-        train_metrics_on_host=_train_metrics_on_host(e, plan),
-        precision=make_policy(e, plan.hooks, state.params, settings.precision, settings.remat),
+        train_metrics_on_host=_train_metrics_on_host(e, hooks),
+        precision=make_policy(e, hooks, state.params, settings.precision, settings.remat),
     )
 
 
-def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: TrainState, anchor=None) -> TrainState:
+def _build_optimizer(e, hooks: dict, layout, settings: Settings, data: dict, state: TrainState,
+                     anchor=None) -> tuple[TrainState, _Optimizer]:
     """Groups, rules and optimizer state (only with a train split); bind the schedules.
+    Returns the state with its optimizer state and the optimizer's part of the plan (``layout``:
+    the model's, with the optimizer state following its parameters).
 
     ``anchor``: the weights ``decay_anchor = "w0"`` groups decay toward when they are not
     the current params (``build_model``'s, after ``weights=`` without ``w0="weights"``)."""
-    hooks = plan.hooks
+    opt_spec = tx = base_lr = None
     manual = "train_step" in hooks
     if manual:
         check_manual_experiment(type(e).__name__, hooks, settings.accum)
@@ -368,30 +408,29 @@ def _build_optimizer(e, plan: Plan, settings: Settings, data: dict, state: Train
                 f"in a `train_step` hook)."
             )
         ema_decay = check_ema_knob(settings.ema, settings.source("ema"))
-        plan.opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
-        _knobs.check_optimizer_groups(plan.opt_spec.groups, type(e).__name__)
+        opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
+        _knobs.check_optimizer_groups(opt_spec.groups, type(e).__name__)
         # schedules bind first: a scheduled rule hyperparameter (Adam's b1) is injected
-        schedulable = {g.name: g.schedulable for g in plan.opt_spec.groups}
-        plan.bindings = bind_schedules(settings.schedules, _device_fields(e), schedulable)
-        plan.opt_spec = plan.opt_spec.with_scheduled(scheduled_rule_hypers(plan.bindings, schedulable))
-        plan.base_lr = _knobs.check_learning_rate(
+        schedulable = {g.name: g.schedulable for g in opt_spec.groups}
+        bindings = bind_schedules(settings.schedules, _device_fields(e), schedulable)
+        opt_spec = opt_spec.with_scheduled(scheduled_rule_hypers(bindings, schedulable))
+        base_lr = _knobs.check_learning_rate(
             hooks["learning_rate"].function(e),
             f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
         )
         if manual:  # one optimizer per model, applied by the experiment's train_step
-            plan.tx = split_optimizer(plan.opt_spec, state.params)
-            opt_state = with_ema(plan.tx.init(state.params, anchor), state.params, plan.opt_spec)
+            tx = split_optimizer(opt_spec, state.params)
+            opt_state = tx.init(state.params, anchor)
         else:
-            plan.tx = plan.opt_spec.transformation()
-            opt_state = init_opt_state(plan.opt_spec, plan.tx, state.params, anchor)
-        plan.layout = plan.layout.with_opt(opt_state)  # the optimizer state follows its parameter
-        if plan.layout.sharded:
-            opt_state = plan.layout.place_opt(opt_state)
+            tx = opt_spec.transformation()
+            opt_state = init_opt_state(opt_spec, tx, state.params, anchor)
+        layout = layout.with_opt(opt_state)  # the optimizer state follows its parameter
+        if layout.sharded:
+            opt_state = layout.place_opt(opt_state)
         state = state.replace(opt_state=opt_state)
     else:
-        plan.bindings = bind_schedules(settings.schedules, _device_fields(e), ())
-    plan.programs.layout = plan.layout  # the train programs pin their outputs to it
-    return state
+        bindings = bind_schedules(settings.schedules, _device_fields(e), ())
+    return state, _Optimizer(opt_spec, tx, base_lr, bindings, layout)  # the train programs pin outputs to layout
 
 
 def _device_fields(e) -> dict:

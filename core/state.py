@@ -86,9 +86,14 @@ jax.tree_util.register_dataclass(
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What setup resolved that shapes the programs; fixed for the handle's life.
+    """What setup resolved that shapes the programs: frozen, built once by setup.
+
+    A verb that needs another plan makes a new one (:meth:`replace`) and the handle keeps it
+    (the first ``predict`` of a handle without data fixes ``width``: ``nitro.plan`` is then a
+    new plan with the same programs). Assigning a field raises
+    ``dataclasses.FrozenInstanceError``.
 
     - ``hooks``: ``{hook: ResolvedHook}`` (experiment > plugin > default);
     - ``routes``: ``{traced hook: Route}``, the batch fields each hook declares;
@@ -109,7 +114,9 @@ class Plan:
     - ``weights_meta``: the checkpoint record's metadata (``step``, ``epoch``, ``metrics``, ...)
       when the weights came from a checkpoint (``weights=``, ``resume=``), else None;
     - ``layout``: where the params and the optimizer state live on the mesh
-      (:class:`~jaxnitro.sharding.Layout`; ``sharding``, ``mesh_shape``, ``param_sharding``).
+      (:class:`~jaxnitro.sharding.Layout`; ``sharding``, ``mesh_shape``, ``param_sharding``);
+    - ``memory`` (read-only): the memory preflight's report, kept with the compiled programs
+      (``programs.memory``) once a run or ``jn.memory_report`` compiled the train step, else None.
     """
 
     hooks: dict
@@ -129,8 +136,16 @@ class Plan:
     resumed: "ResumePoint | None" = None
     weights_meta: dict | None = None
     dist: Any = None
-    memory: Any = None  # the memory preflight's MemoryReport (jaxnitro.memory), once compiled
     layout: Any = None
+
+    def replace(self, **changes) -> "Plan":
+        """A new plan with ``changes`` (the programs, hooks and routes are shared, not copied)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def memory(self):
+        """The memory preflight's :class:`~jaxnitro.memory.MemoryReport` of these programs, or None."""
+        return getattr(self.programs, "memory", None)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ between epochs, so dispatch runs ahead of compute as in a hand-written
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
 import time
@@ -31,9 +30,9 @@ from .events import RunContext, emit, emit_finish, run_scoped
 from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
-from .logger import LoggerRelay, make_loggers
+from .logger import check_loggers, make_loggers
 from .memory import preflight
-from .plugin_manager import plugin_manager
+from .plugin_manager import disabled_note, first_result, plugin_manager
 from .source_contract import accessors, is_addressable
 from .progress import phase_start
 from .reads import StepReads, step_scalars
@@ -41,6 +40,7 @@ from .run_lock import hold_run_folder
 from .routing import KEY_DATA
 from .schedules import StepValues
 from .sources import release_sources
+from .stream_state import capture, is_stateful, restore, saved_state
 
 __all__ = ["run_training", "new_run_folder", "READ_EVERY", "step_scalars"]
 
@@ -55,34 +55,34 @@ CPU_SHARDED_IN_FLIGHT = 16
 """The most optimizer steps queued ahead of the host in a run sharded over several CPU devices."""
 
 
-def new_run_folder(root: str) -> str:
-    """Create and return a fresh ``root/<timestamp>-<n>`` folder; never reuses an existing one.
+def new_run_folder(root: str, experiment=None) -> str:
+    """Create and return a fresh run folder under ``root``, named by the
+    ``jaxnitro_new_run_folder`` hook (built in: ``root/<timestamp>-<n>``); never an existing one.
 
     Raises ``OSError`` (its own subclass) naming the folder, the cause and the fix when
-    ``root`` is a file or cannot be written.
+    ``root`` is a file or cannot be written, and ``RuntimeError`` when no plugin answers the
+    hook or the answer is no folder.
     """
     root = os.path.abspath(root)
     try:
-        return _new_folder(root)
+        folder = first_result("jaxnitro_new_run_folder", root=root, experiment=experiment)
     except OSError as err:
         cause = "it is a file, not a folder" if os.path.isfile(root) else (err.strerror or repr(err))
         raise type(err)(
             f"jaxnitro: cannot create a run folder under run_dir={root!r}: {cause}. Pass a "
             f"writable folder as `run_dir` (it is created if missing)."
         ) from err
-
-
-def _new_folder(root: str) -> str:
-    os.makedirs(root, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    n = 1
-    while True:
-        path = os.path.join(root, f"{stamp}-{n}")
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            n += 1
+    if folder is None:
+        raise RuntimeError(
+            f"jaxnitro: no plugin names the run folder (hook `jaxnitro_new_run_folder`){disabled_note()}. "
+            f"Enable the built-in `run_folder` plugin, or install one that answers the hook."
+        )
+    if not os.path.isdir(folder):
+        raise RuntimeError(
+            f"jaxnitro: the `jaxnitro_new_run_folder` hook answered {folder!r}, which is no folder. The "
+            f"plugin that answers it must create the folder and return its path."
+        )
+    return os.path.abspath(os.fspath(folder))
 
 
 def run_training(nitro) -> None:
@@ -113,7 +113,8 @@ def run_training(nitro) -> None:
             run = RunContext(nitro, record.run_dir)
             logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
             record.loggers = run.loggers = make_loggers(logger, record.run_dir, nitro.experiment)
-            with run_scoped([*(LoggerRelay(logger, run) for logger in run.loggers), folder]):
+            check_loggers(run.loggers)  # a missing verb fails before the run starts, not mid-run
+            with run_scoped([folder]):  # the loggers are driven by the logger_relay plugin
                 try:
                     emit("jaxnitro_run_start", run=run)
                     status = _Run(nitro, run).run()
@@ -143,8 +144,8 @@ def run_folder_of(nitro) -> str:
         return resumed.run_folder
     dist = nitro.plan.dist
     if dist is not None and dist.multi_process:  # one folder for the job: process 0 makes it
-        return dist.from_main(new_run_folder(nitro.settings.run_dir) if dist.is_main else None)
-    return new_run_folder(nitro.settings.run_dir)
+        return dist.from_main(new_run_folder(nitro.settings.run_dir, nitro.experiment) if dist.is_main else None)
+    return new_run_folder(nitro.settings.run_dir, nitro.experiment)
 
 
 def _status_of(exc: BaseException) -> str:
@@ -176,6 +177,11 @@ class _Run:
         self.train = nitro.data["train"]
         self.accum = accum = nitro.settings.accum
         self.sized = is_sized(self.train)  # a stream (no len()) ends its epochs when it ends
+        self.addressable = is_addressable(unwrap(self.train))
+        # a stream that records and restores its iterator state (a checkpoint holds it)
+        self.stateful = is_stateful(unwrap(self.train), self.addressable)
+        self.pass_open = None  # (epoch, step) where the train stream's current pass opened
+        self.restored = None  # (epoch, saved state): that epoch's pass continues from the state
         self.steps_per_epoch = len(self.train) // accum if self.sized else None
         periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p is not None]
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
@@ -246,18 +252,18 @@ class _Run:
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
         extra, columns = {}, None
         if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
-            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(nitro, TRAIN_HOOKS), 1, accum, keyed_run, False)
+            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(plan.routes, TRAIN_HOOKS), 1, accum, keyed_run, False)
             if columns is None:
                 self.probe = None
         if k > 1 or self.probe is not None:  # batches stay on the host until a block of k * accum is sent at once
-            fields = _device_fields(nitro, TRAIN_HOOKS)
+            fields = _device_fields(plan.routes, TRAIN_HOOKS)
             transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
             if keyed_run:
                 extra = {KEY_DATA: nitro.state.rng}
             if columns is None:
                 columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
         else:
-            transfer = make_transfer(nitro, TRAIN_HOOKS)
+            transfer = make_transfer(plan, TRAIN_HOOKS)
         if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
             transfer = width_checked(transfer, plan.width)
         if keyed_run:
@@ -298,8 +304,8 @@ class _Run:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
-                if nitro.plan.memory is None:  # the memory preflight: compiles the first step's programs
-                    nitro.plan.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
+                if nitro.plan.programs.memory is None:  # the memory preflight: compiles the first step's programs
+                    nitro.plan.programs.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
                     self.stop()
@@ -313,27 +319,47 @@ class _Run:
 
     def start_position(self) -> tuple[int, int]:
         """``(epoch, steps into it)`` where this ``train()`` starts: from the step for a
-        source with ``len()``; for a stream, from the resumed checkpoint's data position (its
-        first batches are then read again and dropped, with a warning), else the next epoch."""
+        source with ``len()``; for a stream, from the resumed checkpoint's data position, else
+        the next epoch. Mid-epoch, a stream that saved its iterator state is restored to it
+        (:meth:`resume_stream`); any other stream's first batches are read again and dropped,
+        with a warning."""
         nitro = self.nitro
-        if self.sized:
-            return self.book.position(nitro.step)
         resumed = nitro.plan.resumed
-        position = (nitro.plan.weights_meta or {}).get("data_position") if resumed is not None else None
-        if resumed is None or resumed.step != nitro.step or not position:
-            return nitro.epoch + 1, 0
-        epoch, batches = int(position["epoch"]), int(position.get("batches_into_epoch", 0))
-        if (nitro.plan.weights_meta or {}).get("epoch_complete"):
-            return epoch + 1, 0
-        if batches:
-            warnings.warn(
-                f"jaxnitro: the `train` split is a stream without batch_at/begin_epoch, so resuming at "
-                f"step {nitro.step} reads epoch {epoch} from its start again and drops its first "
-                f"{batches} batches before training goes on (the time of reading them, no training). "
-                f"An index-addressable source (batch_at/begin_epoch) starts there at once.",
-                UserWarning, stacklevel=4,
-            )
-        return epoch, batches // self.accum
+        meta = nitro.plan.weights_meta if resumed is not None and resumed.step == nitro.step else None
+        if self.sized:
+            epoch, into = self.book.position(nitro.step)
+        else:
+            position = (meta or {}).get("data_position")
+            if not position:
+                return nitro.epoch + 1, 0
+            epoch, into = int(position["epoch"]), int(position.get("batches_into_epoch", 0)) // self.accum
+            if meta.get("epoch_complete"):
+                return epoch + 1, 0
+        if into and meta is not None and not self.addressable:
+            self.resume_stream(epoch, into, meta)
+        return epoch, into
+
+    def resume_stream(self, epoch: int, into: int, meta: dict) -> None:
+        """Resuming ``into`` steps into ``epoch`` of a stream: restore its saved iterator
+        state, or (none saved, or the source cannot restore one) warn that the epoch is read
+        again from its start and its first batches dropped."""
+        saved, step = saved_state(meta), self.nitro.step
+        if saved is not None and self.stateful:  # setup refused a state of another source type
+            self.restored = (epoch, saved)  # handed to the source as the epoch's pass opens
+            return
+        batches = into * self.accum
+        why = ("its checkpoint holds no iterator state (an older checkpoint, or the source gave none)"
+               if self.stateful else
+               "it restores no iterator state (no iterator_state/restore_iterator)")
+        warnings.warn(
+            f"jaxnitro: the `train` split is a stream without batch_at/begin_epoch and {why}, so "
+            f"resuming at step {step} reads epoch {epoch} from its start again and drops its first "
+            f"{batches} batches before training goes on (the time of reading them, no training). "
+            f"An index-addressable source (batch_at/begin_epoch) starts there at once, and a stream "
+            f"with iterator_state/restore_iterator (jn.GrainStream, jn.TorchStream over a stateful "
+            f"loader) continues from its saved state.",
+            UserWarning, stacklevel=5,
+        )
 
     def data_position(self, step: int) -> dict:
         """Where the data is after ``step``: ``{"epoch", "steps_into_epoch", "batches_into_epoch",
@@ -349,8 +375,15 @@ class _Run:
             epoch = max((e for e, first in self.epoch_start.items() if first < step), default=self.nitro.epoch)
             into = step - self.epoch_start.get(epoch, step)
             complete = False
-        return {"epoch": epoch, "steps_into_epoch": into, "batches_into_epoch": into * self.accum,
-                "epoch_complete": complete}
+        position = {"epoch": epoch, "steps_into_epoch": into, "batches_into_epoch": into * self.accum,
+                    "epoch_complete": complete}
+        if self.stateful and not complete and self.pass_open is not None:
+            pass_epoch, opened = self.pass_open
+            if pass_epoch == epoch and step >= opened:  # the pass in progress (or just closed)
+                state = capture(unwrap(self.train), (step - opened) * self.accum)
+                if state is not None:
+                    position["stream_state"] = state
+        return position
 
     def train_epoch(self, epoch: int, into: int, stop) -> Outcome:
         """Dispatch ``epoch`` from its step ``into`` (0, or a resumed run's position) to its
@@ -361,8 +394,16 @@ class _Run:
         self.epoch_start[epoch] = step - into
         leaves = nitro.state.leaves()
         dispatcher.wait, t_epoch = 0.0, time.perf_counter()
-        outcome = Outcome.COMPLETE
-        reader = self._reader(epoch, into * self.accum, step)
+        # handled: the last cut inside the epoch whose work is done; resumed mid-epoch at a cut,
+        # the run that saved the checkpoint there did it
+        cut_here = into and (book.closes_row(step, False) or book.boundary(step))
+        outcome, handled = Outcome.COMPLETE, step if cut_here else None
+        restored = self.restored is not None and self.restored[0] == epoch  # the pass continues a saved state
+        if restored:  # just before the pass opens (nothing else may start a pass in between)
+            restore(unwrap(self.train), self.restored[1], step)
+        self.restored = None
+        reader = self._reader(epoch, 0 if restored else into * self.accum, step)
+        self.pass_open = (epoch, step)
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 due = book.next_cut(step, last)  # where something the book knows is due
@@ -376,10 +417,10 @@ class _Run:
                 if outcome is Outcome.COMPLETE and self.probe is not None and self.probe.due(step):
                     outcome = self._probe_at(step, reader)
                 if outcome is Outcome.COMPLETE and step == due < last:  # a cut inside the epoch
-                    outcome = self.at_cut(epoch, step, False, stop)
+                    outcome, handled = self.at_cut(epoch, step, False, stop), step
             epoch_done = outcome is Outcome.EXHAUSTED or (self.sized and step == epoch * self.steps_per_epoch)
-            if outcome is Outcome.COMPLETE and epoch_done:
-                reader.drain()
+            if outcome is Outcome.COMPLETE and epoch_done and not restored:
+                reader.drain()  # (a restored pass is shorter than len(): the check does not apply)
         finally:
             reader.close()
             self.publish(leaves, step)
@@ -397,7 +438,9 @@ class _Run:
             return outcome  # no row for a partial epoch; its steps are still read and logged
         elapsed = time.perf_counter() - t_epoch
         stats = {"data_wait_frac": dispatcher.wait / elapsed if elapsed else 0.0}
-        return self.at_cut(epoch, step, epoch_done, stop, stats)
+        # a stream's end is seen one read after its last step: when that step was a cut already,
+        # its row, validation and boundary are done; only the epoch's end is left
+        return self.at_cut(epoch, step, epoch_done, stop, stats, again=handled == step)
 
     def _probe_at(self, step: int, reader) -> Outcome:
         """``steps_per_dispatch="auto"``: a probe mark. Every step so far is read (the device
@@ -423,11 +466,13 @@ class _Run:
         self.run_ctx.step_seconds = probe.seconds
         return Outcome.COMPLETE
 
-    def at_cut(self, epoch: int, step: int, epoch_done: bool, stop, stats=None) -> Outcome:
+    def at_cut(self, epoch: int, step: int, epoch_done: bool, stop, stats=None, again: bool = False) -> Outcome:
         """What is due after ``step``: the epoch's end (``jaxnitro_epoch_trained``), a row's
         end (validated when the run validates), a plugin's boundary, a stop, ``max_time``."""
         book, reads, nitro = self.book, self.reads, self.nitro
-        closes = book.closes_row(step, epoch_done)
+        # again: this step's cut inside the epoch was handled (a stream's end seen one read later):
+        # what it did (a row's end, a boundary) is not done twice; the epoch's end is still due
+        closes = book.closes_row(step, epoch_done) and not (again and book.closes_row(step, False))
         if epoch_done:
             reads.epoch_ends.append((epoch, step))
         if closes:
@@ -436,7 +481,7 @@ class _Run:
                 reads.emit_unvalidated(reads.close_row())
         if epoch_done:
             emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats or {})
-        validate, boundary = closes and self.validated, book.boundary(step)
+        validate, boundary = closes and self.validated, book.boundary(step) and not again
         if (validate or boundary or step >= book.total or self.lockstep) and reads.read(wait=True):
             return Outcome.DIVERGED
         if stop.status is not None:

@@ -492,9 +492,9 @@ def restore_items(record: WeightsRecord, wanted: dict) -> dict:
         ) from err
 
 
-def install_weights(state, plan, record: WeightsRecord):
+def install_weights(state, record: WeightsRecord):
     """``weights=<record>``: its params (its EMA when it kept one) and model state; step 0,
-    fresh optimizer (built later)."""
+    fresh optimizer (built later). Returns ``(state, where the weights came from, in words)``."""
     item = "ema" if "ema" in record.items else "params"
     wanted = {item: abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
@@ -502,9 +502,8 @@ def install_weights(state, plan, record: WeightsRecord):
     got = restore_items(record, wanted)
     params = jax.tree_util.tree_map(jnp.asarray, got[item])
     model_state = got.get("model_state", state.model_state)
-    plan.weights_from = record.source + (" (its EMA weights)" if item == "ema" else "")
-    plan.weights_meta = dict(record.metadata)
-    return state.replace(params=params, model_state=model_state)
+    weights_from = record.source + (" (its EMA weights)" if item == "ema" else "")
+    return state.replace(params=params, model_state=model_state), weights_from
 
 
 def _optimizer_mismatch(record: WeightsRecord, rest: dict, err: ValueError) -> ValueError:
@@ -528,13 +527,14 @@ def _optimizer_mismatch(record: WeightsRecord, rest: dict, err: ValueError) -> V
     )
 
 
-def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
+def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
     """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
     epoch and PRNG key from the record; the optimizer state must already be built
-    (its structure is the restore target). Any checkpoint is a resume point, at an epoch's
-    end or in its middle: the loop continues from its step (the data position follows from
-    it: the epoch and the next batch of a source with ``len()``)."""
-    from .optim import EmaState, join_ema, rule_state_of, split_ema
+    (its structure is the restore target). Any checkpoint is a resume point, at an epoch's end or in its middle: the
+    loop continues from its step (the data position follows from it: the epoch and the next
+    batch of a source with ``len()``). Returns ``(state, the ResumePoint, where the weights
+    came from, in words)``."""
+    from .optim import ema_of, rule_state_of, with_parts
     from .state import ResumePoint
 
     meta = record.metadata
@@ -549,7 +549,7 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
     wanted = {"params": abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)
-    rules, ema = split_ema(state.opt_state, plan.opt_spec) if state.opt_state is not None else (None, None)
+    rules, ema = rule_state_of(state.opt_state), ema_of(state.opt_state)
     if rules is not None and restore_optimizer and "opt_state" in record.items:
         wanted["opt_state"] = abstract(rules)
     if ema is not None and "ema" in record.items:
@@ -562,20 +562,17 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
         raise _optimizer_mismatch(record, {k: v for k, v in wanted.items() if k != "opt_state"}, err) from err
     params = jax.tree_util.tree_map(jnp.asarray, got["params"])
     opt_state = state.opt_state
-    if opt_state is not None:
-        rules = got.get("opt_state", rule_state_of(opt_state))
-        if ema is not None:
-            ema = EmaState(got["ema"] if "ema" in got else jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params))
-        opt_state = join_ema(rules, ema, plan.opt_spec)
+    if opt_state is not None:  # a checkpoint without an EMA: the average restarts at its params
+        fresh = None if ema is None or "ema" in got else jax.tree_util.tree_map(lambda p: jnp.copy(p), params)
+        opt_state = with_parts(opt_state, got.get("opt_state", rules), got.get("ema", fresh))
     rng = state.rng
     if meta.get("rng"):
         rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
     step, epoch = int(meta["step"]), int(meta["epoch"])
     open_row = (meta.get("progress") or {}).get("open_row")
-    plan.resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run), open_row)
+    resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run), open_row)
     optimizer = "" if "opt_state" in got or opt_state is None else ", fresh optimizer state"
-    plan.weights_from = f"resumed from {record.source}{optimizer}"
-    plan.weights_meta = dict(record.metadata)
+    weights_from = f"resumed from {record.source}{optimizer}"
     return state.replace(
         params=params,
         model_state=got.get("model_state", state.model_state),
@@ -583,4 +580,4 @@ def install_resume(state, plan, record: WeightsRecord, *, restore_optimizer: boo
         step=step,
         epoch=epoch,
         rng=rng,
-    )
+    ), resumed, weights_from

@@ -145,7 +145,7 @@ def param_value(value: Any, limit: int = MAX_PARAM_LENGTH) -> str:
 class MLflowStoreError(OSError):
     """The tracking store failed (a server out of reach, a database locked, full or unwritable).
 
-    An ``OSError``, so jaxnitro's ``LoggerRelay`` treats it as it treats a full disk: it
+    An ``OSError``, so jaxnitro's ``logger_relay`` plugin treats it as it treats a full disk: it
     reports the failure once (a warning, ``nitro.record.problems``), training goes on, and
     this logger gets nothing more that run. The MLflow error is its ``__cause__``.
     """

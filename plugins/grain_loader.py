@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.plugin import ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
+from jaxnitro.plugin import PassStates, ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
 
 __all__ = ["GrainSource", "GrainStream"]
 
@@ -337,6 +337,12 @@ class GrainStream:
       ``worker_count=0``, Map/RandomMap operations and one ``Batch``.
     - ``fields``: names for the parts of tuple elements.
 
+    **Resume.** A :class:`jaxnitro.plugin.StatefulStream`: after each batch it yields, it
+    keeps grain's iterator state (``DatasetIterator.get_state()``, a ``DataLoader``
+    iterator's JSON text), with the batch's number in the pass; a checkpoint records the one
+    after the last trained batch, and ``restore_iterator`` makes the next pass
+    ``set_state`` it, so a resumed run continues mid-epoch with nothing read again.
+
     **Raises:** ``TypeError`` for another type (a ``MapDataset`` is
     :class:`GrainSource`'s) or an uncertain length without ``batches_per_epoch``.
     """
@@ -372,25 +378,64 @@ class GrainStream:
         self.dataset, self.fields = dataset, check_fields(fields)
         self._len, self._take = n, batches_per_epoch is not None
         self.prefetch_note = (
-            f"grain {self.kind}: not index-addressable, 1 producer; each epoch restarts its iterator"
+            f"grain {self.kind}: not index-addressable, 1 producer; each epoch restarts its iterator; "
+            f"a resume restores its iterator state"
         )
+        self._states = PassStates()  # the iterator's state after each batch of the current pass
+        self._restore = None  # the state the next pass starts from (restore_iterator)
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self):
         it = iter(self.dataset)
+        restore, self._restore = self._restore, None
+        done = 0
+        if restore is not None:
+            it.set_state(_grain_state(restore["iterator"], self.kind))
+            done = restore["batches"]
+        states, get_state = self._states, it.get_state
+        states.begin({"batches": done, "iterator": _jsonable_state(get_state())})
         try:
-            values = itertools.islice(it, self._len) if self._take else it
-            for k, value in enumerate(values):
-                yield _as_batch(value, self.fields, f"grain {self.kind} batch {k}")
+            values = itertools.islice(it, self._len - done) if self._take else it
+            for k, value in enumerate(values, done + 1):
+                batch = _as_batch(value, self.fields, f"grain {self.kind} batch {k - 1}")
+                states.record({"batches": k, "iterator": _jsonable_state(get_state())})
+                yield batch
         finally:
             close = getattr(it, "close", None)
             if callable(close):
                 close()
 
+    def iterator_state(self, batches: int) -> dict:
+        """``{"batches": n, "iterator": grain's state}`` after the current pass's first
+        ``batches`` batches (``n`` counts from the epoch's start)."""
+        return self._states.after(batches)
+
+    def restore_iterator(self, state: dict) -> None:
+        """The next pass starts from ``state`` (what :meth:`iterator_state` returned)."""
+        if not (isinstance(state, dict) and isinstance(state.get("batches"), int) and "iterator" in state):
+            raise ValueError(
+                f"GrainStream.restore_iterator takes what iterator_state returned, a dict "
+                f"{{'batches': int, 'iterator': grain's state}}; got {state!r}"
+            )
+        if not 0 <= state["batches"] <= self._len:
+            raise ValueError(f"GrainStream: the state is {state['batches']} batches into a pass of {self._len}")
+        self._restore = state
+
     def __repr__(self) -> str:
         return f"GrainStream({self.kind}, {len(self)} batches per epoch)"
+
+
+def _jsonable_state(state):
+    """grain's iterator state as a JSON value: a dataset iterator's is a dict already; a
+    ``DataLoader`` iterator's is JSON text as bytes (kept as text)."""
+    return state.decode("utf-8") if isinstance(state, bytes) else state
+
+
+def _grain_state(state, kind: str):
+    """What ``set_state`` takes back: bytes for a ``DataLoader`` iterator."""
+    return state.encode("utf-8") if kind == "DataLoader" and isinstance(state, str) else state
 
 
 # -- the hooks --------------------------------------------------------------------------------

@@ -148,7 +148,20 @@ def handle_title(nitro) -> str:
         + _mesh_line(dist, nitro.plan.width, getattr(nitro.plan, "layout", None))
         + f"  weights: {nitro.plan.weights_from} | step {nitro.step}, epoch {nitro.epoch}"
         + (f" | EMA of the params (decay {nitro.plan.opt_spec.ema_decay:g})" if ema else "")
+        + _derive_line(nitro.plan)
     )
+
+
+def _derive_line(plan) -> str:
+    """Whether ``derive`` ran: from a checkpoint (``weights=``/``resume=``) it is skipped and
+    the values it derived for the saved run are restored; empty when there is no ``derive``."""
+    hook = (getattr(plan, "hooks", None) or {}).get("derive")
+    if hook is None or hook.source == "default":
+        return ""
+    values = ", ".join(f"{k}={v!r}" for k, v in (plan.derived or {}).items()) or "none"
+    if plan.weights_meta is not None:
+        return f"\n  derive: not run (weights from a checkpoint); its saved values restored: {values}"
+    return f"\n  derive: ran ({hook.source}): {values}"
 
 
 def _mesh_line(dist, width, layout=None) -> str:

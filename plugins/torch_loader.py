@@ -23,6 +23,7 @@ this module loads, registers and answers ``None`` without torch installed.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 import warnings
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.plugin import ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
+from jaxnitro.plugin import PassStates, ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
 
 __all__ = ["DEFAULT_SEED", "TorchSource", "TorchStream"]
 
@@ -309,6 +310,18 @@ class TorchStream:
     copy; it costs one), ``in_order=False`` with workers (delivery order then
     varies between runs).
 
+    **Resume** (a :class:`jaxnitro.plugin.StatefulStream`). A loader with
+    ``state_dict()``/``load_state_dict()`` of its own (torchdata's
+    ``StatefulDataLoader``), or one with ``num_workers=0`` over an ``IterableDataset``
+    that has them, has its state taken after each batch it yields; a checkpoint
+    records the one after the last trained batch (it must be JSON-able: ints, strings,
+    lists, dicts), and a resumed run loads it (``load_state_dict``) before the pass
+    continues, with nothing read again. The dataset's contract: ``load_state_dict(s)``
+    makes its next ``__iter__`` continue from ``s``; a later ``__iter__`` starts a new
+    pass. Any other loader is read again from the epoch's start and the trained batches
+    dropped, with a warning (an ``IterableDataset`` in worker processes: the workers
+    hold copies, whose positions this process cannot read).
+
     **Raises:** ``TypeError`` when the loader has no ``len()`` (an
     ``IterableDataset`` without ``__len__``) and no ``batches_per_epoch``.
     """
@@ -336,7 +349,11 @@ class TorchStream:
         self.loader, self.fields = loader, check_fields(fields)
         self._len, self._take = n, batches_per_epoch is not None
         why = why or _unplannable(loader, data) or "iterated as asked"
-        self.prefetch_note = f"torch DataLoader: not index-addressable ({why}); 1 producer"
+        self._owner, no_state = _state_owner(loader, data)  # whose state_dict says where a pass is
+        self._states, self._restore = PassStates(), None
+        resume = "a resume restores its state_dict" if self._owner is not None else f"a resume re-reads ({no_state})"
+        self.prefetch_note = f"torch DataLoader: not index-addressable ({why}); 1 producer; {resume}"
+        self._no_state = no_state
         if loader.num_workers > 0 and loader.generator is None:
             _warn(f"num_workers={loader.num_workers}", "with no generator: the workers' seeds (and a "
                   "shuffling sampler's order) come from torch's global RNG, so a fixed jaxnitro seed "
@@ -351,12 +368,60 @@ class TorchStream:
         return self._len
 
     def __iter__(self):
-        batches = itertools.islice(self.loader, self._len) if self._take else self.loader
-        for k, value in enumerate(batches):
-            yield _as_batch(value, self.fields, f"the DataLoader's batch {k}")
+        owner = self._owner
+        if owner is None:
+            batches = itertools.islice(self.loader, self._len) if self._take else self.loader
+            for k, value in enumerate(batches):
+                yield _as_batch(value, self.fields, f"the DataLoader's batch {k}")
+            return
+        restore, self._restore, done = self._restore, None, 0
+        if restore is not None:
+            owner.load_state_dict(restore["state"])
+            done = restore["batches"]
+        it = iter(self.loader)
+        states = self._states
+        states.begin({"batches": done, "state": copy.deepcopy(owner.state_dict())})
+        batches = itertools.islice(it, self._len - done) if self._take else it
+        for k, value in enumerate(batches, done + 1):
+            batch = _as_batch(value, self.fields, f"the DataLoader's batch {k - 1}")
+            states.record({"batches": k, "state": copy.deepcopy(owner.state_dict())})
+            yield batch
+
+    def iterator_state(self, batches: int) -> dict | None:
+        """``{"batches": n, "state": state_dict}`` after the current pass's first ``batches``
+        batches (``n`` counts from the epoch's start); None when the loader keeps no state."""
+        return None if self._owner is None else self._states.after(batches)
+
+    def restore_iterator(self, state: dict) -> None:
+        """The next pass starts from ``state`` (what :meth:`iterator_state` returned)."""
+        if self._owner is None:
+            raise ValueError(f"TorchStream: this loader restores no state ({self._no_state})")
+        if not (isinstance(state, dict) and isinstance(state.get("batches"), int) and "state" in state):
+            raise ValueError(
+                f"TorchStream.restore_iterator takes what iterator_state returned, a dict "
+                f"{{'batches': int, 'state': state_dict}}; got {state!r}"
+            )
+        self._restore = state
 
     def __repr__(self) -> str:
         return f"TorchStream({type(self.loader.dataset).__name__}, {self._len} batches per epoch)"
+
+
+def _state_owner(loader, data):
+    """``(object whose state_dict/load_state_dict follow the loader's passes, None)``, or
+    ``(None, why none)``."""
+    def stateful(obj):
+        return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+    if stateful(loader):  # torchdata's StatefulDataLoader: its workers' positions too
+        return loader, None
+    dataset = loader.dataset
+    if not isinstance(dataset, data.IterableDataset) or not stateful(dataset):
+        return None, "neither the loader nor an IterableDataset has state_dict/load_state_dict"
+    if loader.num_workers > 0:
+        return None, (f"num_workers={loader.num_workers}: the worker processes iterate copies of the "
+                      f"dataset; use torchdata's StatefulDataLoader, or num_workers=0")
+    return dataset, None
 
 
 # -- the hooks --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A step-budgeted run that SIGKILLs itself (used by test_long_runs.py).
 
 ``python long_run_child.py <run_dir> <kill_at_step> '<json options>'`` trains :class:`LongRun`
-(an :class:`~jaxnitro.ArraySource` over 3 epochs of 200 steps, a one-cycle learning rate,
+(an :class:`~jaxnitro.ArraySource` over 3 epochs of 200 steps, or with ``"stream": "grain"``
+a grain ``IterDataset`` streamed as one epoch of 600 steps; a one-cycle learning rate,
 ``val_every_n_steps`` and ``Checkpointer(every_n_steps=...)``) and kills itself, with no
 cleanup, as soon as a stretch read back from the device reaches ``kill_at_step`` (0: never),
 or, with ``"sigterm": true`` in the options, sends itself a SIGTERM there (a preemption). The class and the run's keywords live here
@@ -16,6 +17,7 @@ import signal
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import jaxnitro as jn
@@ -49,12 +51,27 @@ def data(workers: int = 0, accum: int = 1, batch: int = 4) -> dict:
     return {"train": train, "val": val}
 
 
+def grain_stream(batch: int = 4) -> dict:
+    """train: a grain ``IterDataset`` of 600 batches of ``batch`` rows (one epoch: ``max_steps=600``
+    reads it once), shuffled (seeded) before it is streamed, no read threads in grain; val: 24 rows."""
+    import grain
+
+    n = 3 * STEPS_PER_EPOCH * batch
+    x, y, oh = make_arrays(n + 24, seed=5)
+    records = grain.MapDataset.source(np.arange(n)).seed(11).shuffle().map(
+        lambda i: {"x": x[i], "label": oh[i], "y": y[i]})
+    serial = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    train = records.to_iter_dataset(serial).batch(batch, drop_remainder=True)
+    val = jn.ArraySource({"x": x[n:], "label": oh[n:], "y": y[n:]}, batch_size=batch)
+    return {"train": train, "val": val}
+
+
 def keywords(opts: dict) -> dict:
     """The run's keywords: ``max_steps``, ``val_every_n_steps``, the checkpointer, a one-cycle
     learning rate over the run, ``accum`` and ``steps_per_dispatch`` from ``opts``."""
     every = opts.get("every", 100)
     return dict(
-        data=data(opts.get("workers", 0), opts.get("accum", 1)),
+        data=grain_stream() if opts.get("stream") == "grain" else data(opts.get("workers", 0), opts.get("accum", 1)),
         max_steps=opts.get("max_steps", 600),
         val_every_n_steps=opts.get("val_every", 100),
         # synchronous: every save due before the kill is on disk (paced saves may still be held)

@@ -142,6 +142,9 @@ def test_a_record_restores_the_derived_values_and_skips_derive(ran, monkeypatch)
     loaded = jn.Nitro(Ranked(), run_dir=root, weights=("latest", "last"))  # build_data runs, derive not
     np.testing.assert_array_equal(loaded.experiment.class_counts, n.experiment.class_counts)
     assert loaded.experiment.class_counts.sum() == 96 and loaded.plan.derived.keys() == {"class_counts"}
+    # print(nitro) says which: derive ran for the trained handle, was skipped for the loaded one
+    assert "derive: ran (experiment): class_counts=array([" in str(n)
+    assert "derive: not run (weights from a checkpoint); its saved values restored: class_counts=array([" in str(loaded)
 
 
 def test_average_of_checkpoints(ran):

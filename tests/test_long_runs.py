@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -177,6 +178,7 @@ CASES = {
     "k1": {},
     "k1-3-workers": {"workers": 3},
     "k4-accum2": {"k": 4, "accum": 2},
+    "grain-stream": {"stream": "grain"},  # one epoch of 600 batches, resumed from grain's iterator state
 }
 
 
@@ -193,7 +195,13 @@ def test_a_sigkilled_run_resumes_bitwise(tmp_path, case):
     # saves are paced (min_interval="auto": writes take <= 5% of the run), so the newest one on
     # disk may be older than the last one due
     assert resumed.step == at // 100 * 100
-    resumed.train()
+    if opts.get("stream"):  # the checkpoint holds the stream's iterator state after its last trained batch
+        saved = resumed.plan.weights_meta["data_position"]["stream_state"]
+        assert saved["state"]["batches"] == resumed.step
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        resumed.train()
+    assert not [w for w in record if "from its start again" in str(w.message)]  # nothing read again
     straight = jn.train(LongRun(), run_dir=tmp_path / "straight", logger="jsonl", **keywords(opts))
     assert straight.step == resumed.step == 600
     assert_same_state(resumed, straight)

@@ -1,0 +1,206 @@
+"""Features that left the core for plugins: run-folder naming (``run_folder``), the persistent
+compilation cache switch (``compilation_cache``) and the logger fan-out (``logger_relay``).
+Each is an entry point like any third-party plugin: one installed beside it replaces it."""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+import warnings
+from pathlib import Path
+
+import jax
+import pytest
+
+import jaxnitro as jn
+import jaxnitro.plugin as P
+from jaxnitro.plugin_manager import plugin_manager
+from plugin_dist import installed, write_distribution
+from tiny import Tiny, tiny_data
+
+NAMER = textwrap.dedent(
+    '''
+    """A third-party package naming run folders after the experiment: <run_dir>/<Class>-<n>."""
+    import os
+    from jaxnitro.plugin import hookimpl
+
+    ASKED = []
+
+
+    @hookimpl
+    def jaxnitro_new_run_folder(root, experiment):
+        ASKED.append(root)
+        os.makedirs(root, exist_ok=True)
+        n = 1
+        while True:
+            path = os.path.join(root, f"{type(experiment).__name__}-{n}")
+            try:
+                os.mkdir(path)
+                return path
+            except FileExistsError:
+                n += 1
+    '''
+)
+
+
+@pytest.fixture
+def namer(tmp_path):
+    site = write_distribution(tmp_path / "site", module="jaxnitro_folder_testplugin", source=NAMER,
+                              dist="jaxnitro-folder-test", entry="folder_test", version="1.5")
+    with installed(site, "jaxnitro_folder_testplugin"):
+        import jaxnitro_folder_testplugin as plugin
+
+        yield plugin
+
+
+def test_a_third_party_plugin_replaces_the_run_folder_naming(tmp_path, namer):
+    runs = tmp_path / "runs"
+    first = jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=runs, logger="jsonl")
+    second = jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=runs, logger="jsonl")
+    assert (first.run_dir, second.run_dir) == (str(runs / "Tiny-1"), str(runs / "Tiny-2"))
+    assert namer.ASKED == [str(runs), str(runs)]  # the run_dir knob, absolute
+    assert sorted(os.listdir(runs)) == ["Tiny-1", "Tiny-2"]  # the built-in named nothing
+    (params,) = [x["params"] for x in jn.read_jsonl(runs / "Tiny-1" / "metrics.jsonl") if "params" in x]
+    assert params["run_dir"] == str(runs / "Tiny-1")  # the logger writes into the folder it named
+    (answer,) = [a for a in P.answers_for(first) if a.hook == "jaxnitro_new_run_folder"]
+    assert P.answer_source(answer) == "plugin folder_test (jaxnitro-folder-test 1.5)"
+    assert "plugin folder_test (jaxnitro-folder-test 1.5)" in str(first)  # print(nitro) names it
+
+
+def test_the_built_in_names_run_folders_by_time_and_counter(tmp_path):
+    n = jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+    assert re.fullmatch(r"\d{8}-\d{6}-1", os.path.basename(n.run_dir)) and os.path.dirname(n.run_dir) == str(tmp_path)
+    (answer,) = [a for a in P.answers_for(n) if a.hook == "jaxnitro_new_run_folder"]
+    assert answer.plugin == "run_folder"
+
+
+class _NoFolder:
+    @jn.hookimpl
+    def jaxnitro_new_run_folder(self, root, experiment):
+        return os.path.join(root, "never-made")
+
+
+def test_a_run_folder_answer_that_is_no_folder_is_refused(tmp_path):
+    pm = plugin_manager()
+    plugin = _NoFolder()
+    pm.register(plugin, name="no-folder-test")
+    try:
+        with pytest.raises(RuntimeError, match="the `jaxnitro_new_run_folder` hook answered .*never-made'"
+                                               ", which is no folder. The plugin that answers it must create"):
+            jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+    finally:
+        pm.unregister(plugin)
+
+
+@pytest.fixture
+def disabled(monkeypatch):
+    def disable(*names):
+        monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", ",".join(names))
+        jn.reload_plugins()
+
+    yield disable
+    monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS")
+    jn.reload_plugins()
+
+
+def test_without_a_run_folder_plugin_train_is_refused_naming_the_hook(tmp_path, disabled):
+    disabled("run_folder")
+    n = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+    with pytest.raises(RuntimeError) as err:
+        n.train()
+    assert str(err.value) == (
+        "jaxnitro: no plugin names the run folder (hook `jaxnitro_new_run_folder`) (plugins disabled by "
+        "JAXNITRO_DISABLE_PLUGINS: run_folder). Enable the built-in `run_folder` plugin, or install one "
+        "that answers the hook."
+    )
+    assert n.status == "failed" and os.listdir(tmp_path) == []
+
+
+# -- the persistent compilation cache ----------------------------------------------------------
+
+_CACHE_OPTIONS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                  "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture
+def jax_cache_config():
+    """Put JAX's persistent-cache options back as they were (the switch is process-wide)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+def test_the_compilation_cache_knob_switches_the_cache_on_through_its_plugin(tmp_path, jax_cache_config):
+    folder = tmp_path / "xla"
+    n = jn.Nitro(Tiny(), data=tiny_data(), logger=None, compilation_cache=str(folder))
+    assert jax.config.jax_compilation_cache_dir == str(folder) and folder.is_dir()
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    assert P.owns_knob(n, "compilation_cache", "jaxnitro.plugins.compilation_cache")
+    again = tmp_path / "again"
+    assert jn.enable_persistent_cache(again) == str(again)  # the function asks the same plugin
+    assert jax.config.jax_compilation_cache_dir == str(again)
+
+
+def test_a_compilation_cache_value_that_is_no_folder_is_refused(jax_cache_config):
+    with pytest.raises(ValueError) as err:
+        jn.Nitro(Tiny(), data=tiny_data(), logger=None, compilation_cache=3)
+    assert str(err.value) == (
+        "jaxnitro: run knob `compilation_cache` = 3 (keyword) is not a folder: pass the folder for JAX's "
+        "persistent compilation cache (`compilation_cache=\"~/.cache/jaxnitro/xla\"`), True for the default "
+        "folder, or None to leave the cache off."
+    )
+
+
+def test_without_the_cache_plugin_the_switch_and_the_knob_say_so(disabled, jax_cache_config):
+    disabled("compilation_cache")
+    with pytest.raises(RuntimeError, match=r"no plugin switches a persistent compilation cache on \(hook "
+                                           r"`jaxnitro_persistent_cache`\) \(plugins disabled by "
+                                           r"JAXNITRO_DISABLE_PLUGINS: compilation_cache\)"):
+        jn.enable_persistent_cache()
+    with pytest.raises(ValueError, match="run knob `compilation_cache` is set .* but no loaded plugin acts on it"):
+        jn.Nitro(Tiny(), data=tiny_data(), logger=None, compilation_cache=True)
+
+
+# -- the logger relay ----------------------------------------------------------------------------
+
+
+class _FailsOnce:
+    """A logger whose first ``log_metrics`` call raises; it records every verb it gets."""
+
+    def __init__(self):
+        self.calls, self.failed = [], False
+
+    def log_params(self, params):
+        self.calls.append("params")
+
+    def log_other(self, key, value):
+        self.calls.append(key)
+
+    def log_metrics(self, metrics, *, step, epoch, context):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("refused")
+        self.calls.append(context)
+
+    def finish(self, status):
+        self.calls.append(f"finish:{status}")
+
+
+def test_a_logger_that_failed_in_one_run_is_driven_again_in_the_next(tmp_path):
+    """The relay's state (which logger failed) belongs to one run (``run.store``), not the process."""
+    logger = _FailsOnce()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = jn.train(Tiny(max_epochs=1), data={"train": tiny_data()["train"]}, run_dir=tmp_path, logger=logger)
+    assert logger.calls == ["params", "binding_report"]  # nothing more after its failure, not even finish
+    assert any("failed in `log_metrics`: RuntimeError: refused" in str(w.message) for w in caught)
+    assert first.status == "done"
+    logger.calls.clear()
+    jn.train(Tiny(max_epochs=1), data={"train": tiny_data()["train"]}, run_dir=tmp_path, logger=logger)
+    assert logger.calls[:2] == ["params", "binding_report"] and logger.calls[-1] == "finish:done"
+    assert logger.calls.count("train") == 6  # one line per step of the epoch
