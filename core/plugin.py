@@ -52,8 +52,8 @@ distribution.
   :class:`EpochStream`, :class:`NoPrefetch` (the core's fallback), the serial pass
   (:func:`host_items`, :func:`transferred`, :func:`serial`, :func:`skipped`), the source
   contract (:func:`is_addressable`, :func:`accessors`, :func:`adapted`, :func:`length_of`,
-  :func:`describe`) and its errors (:class:`PrefetchError`, :class:`SourceLengthError`,
-  :func:`failure_error`).
+  :func:`describe_source`: how messages name a source) and its errors
+  (:class:`PrefetchError`, :class:`SourceLengthError`, :func:`failure_error`).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, requ
 from .logger import identify_logger, scalar_value
 from .optim import HYPERS, ema_of, rule_state_of
 from .serial_pass import host_items, serial, skipped, transferred
-from .source_contract import accessors, adapted, check_epoch, describe, is_addressable, length_of
+from .source_contract import accessors, adapted, check_epoch, is_addressable, length_of
+from .source_contract import describe as describe_source
 from .source_errors import PrefetchError, SourceLengthError, failure_error
 from .split_wrapper import EpochStream, NoPrefetch, SplitWrapper
 from .progress import current_note, make_reporter
@@ -128,7 +129,7 @@ __all__ = [
     "CACHE_ENV",
     # reading a split (the prefetch plugin builds on these)
     "SplitWrapper", "EpochStream", "NoPrefetch", "host_items", "serial", "skipped", "transferred",
-    "accessors", "adapted", "describe", "is_addressable", "length_of",
+    "accessors", "adapted", "describe_source", "is_addressable", "length_of",
     "PrefetchError", "SourceLengthError", "failure_error",
 ]
 

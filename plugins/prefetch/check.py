@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.plugin import accessors, check_epoch, describe, is_addressable
+from jaxnitro.plugin import accessors, check_epoch, describe_source, is_addressable
 
 __all__ = ["check_batch_at"]
 
@@ -79,12 +79,12 @@ def check_batch_at(source: Any, epoch: int = 0) -> None:
     """
     if not is_addressable(source):
         missing = [m for m in ("batch_at", "begin_epoch") if not callable(getattr(source, m, None))]
-        raise TypeError(f"{describe(source)} lacks {' and '.join(missing)}. {_CONTRACT}")
+        raise TypeError(f"{describe_source(source)} lacks {' and '.join(missing)}. {_CONTRACT}")
     try:
         n = len(source)
     except TypeError:
         raise TypeError(
-            f"{describe(source)} has no len(); it must return the number of batches per epoch"
+            f"{describe_source(source)} has no len(); it must return the number of batches per epoch"
         ) from None
     epoch = check_epoch(epoch)
     batch_at, begin = accessors(source)

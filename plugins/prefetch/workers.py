@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.plugin import describe
+from jaxnitro.plugin import describe_source
 
 __all__ = ["default_workers"]
 
@@ -23,7 +23,7 @@ def default_workers(source: Any, addressable: bool) -> int:
     if hint is not None:
         if isinstance(hint, bool) or not isinstance(hint, (int, np.integer)) or hint < 0:
             raise ValueError(
-                f"{describe(source)}.prefetch_workers is {hint!r}; it must be an int >= 0 "
+                f"{describe_source(source)}.prefetch_workers is {hint!r}; it must be an int >= 0 "
                 "(the producer threads PrefetchIterator(workers=None) runs for this source)"
             )
         return int(hint)

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.plugin import SplitWrapper, describe, host_items
+from jaxnitro.plugin import SplitWrapper, describe_source, host_items
 
 from .producers import Producers
 from .staging import staged
@@ -132,7 +132,7 @@ class PrefetchIterator(SplitWrapper):
         ):  # never call iter() here: it may start a loader's worker processes
             raise TypeError(
                 f"a data source must be iterable or define batch_at(i) and begin_epoch(epoch); "
-                f"{describe(source)} is neither"
+                f"{describe_source(source)} is neither"
             )
         for name, value, low in (
             ("workers", workers, 0),
@@ -159,7 +159,7 @@ class PrefetchIterator(SplitWrapper):
         if not self.addressable and workers > 1:
             structlog.get_logger("jaxnitro").warning(
                 "several prefetch producers need an index-addressable source; running one",
-                source=describe(source),
+                source=describe_source(source),
                 workers_requested=workers,
                 fix="define batch_at(i) -> batch and begin_epoch(epoch) -> None on the source; "
                 "jaxnitro.check_batch_at(source) verifies an implementation",
@@ -183,7 +183,7 @@ class PrefetchIterator(SplitWrapper):
         structlog.get_logger("jaxnitro").warning(
             "source is not index-addressable: one prefetch producer reads it",
             split=split or self.split,
-            source=describe(self.source),
+            source=describe_source(self.source),
             workers_default=several,
             fix="define batch_at(i) -> batch and begin_epoch(epoch) -> None on the source so that "
             f"{several} producers read it; jaxnitro.check_batch_at(source) verifies an implementation "
@@ -218,7 +218,7 @@ class PrefetchIterator(SplitWrapper):
     def __repr__(self) -> str:
         i = self.info()
         return (
-            f"PrefetchIterator({describe(self.source)}, {len(self) if self.sized else 'a stream of'} batches, {i['path']}, "
+            f"PrefetchIterator({describe_source(self.source)}, {len(self) if self.sized else 'a stream of'} batches, {i['path']}, "
             f"device_batches={i['device_batches']}, host_batches={i['host_batches']}, "
             f"ordered={i['ordered']})"
         )
