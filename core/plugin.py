@@ -16,7 +16,8 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 **Shapes** (``typing.Protocol``, ``runtime_checkable``): :class:`Logger`,
 :class:`Reporter`, :class:`Source`, :class:`IndexedSource`, :class:`StopPolicy`,
 :class:`Checkpointer`, :class:`Exporter`, :class:`StatefulStream` (a stream that records and
-restores its iterator state; :class:`PassStates` keeps its per-batch states).
+restores its iterator state; :class:`PassStates` keeps its per-batch states),
+:class:`RunFolderHold` (what ``jaxnitro_hold_run_folder`` returns: a run's hold on its folder).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -64,6 +65,7 @@ from .contracts import (
     IndexedSource,
     Logger,
     Reporter,
+    RunFolderHold,
     Source,
     StatefulStream,
     StopPolicy,
@@ -92,7 +94,7 @@ __all__ = [
     "hookimpl", "hookspec", "ExtensionSpec", "LifecycleSpec", "EXPERIMENT_HOOKS",
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
-    "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates",
+    "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates", "RunFolderHold",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs
