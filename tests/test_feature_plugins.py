@@ -204,6 +204,8 @@ def test_the_built_in_lock_is_the_run_lock_plugin_and_exports_its_errors(tmp_pat
     assert lock.LOCK_NAME in sees.seen and not os.path.exists(os.path.join(n.run_dir, lock.LOCK_NAME))
     (answer,) = [a for a in P.answers_for(n) if a.hook == "jaxnitro_hold_run_folder"]
     assert answer.plugin == "run_lock" and answer.line() == "jaxnitro_hold_run_folder() -> run_lock"
+    (info,) = [p for p in jn.plugins_info() if p.name == "run_lock"]
+    assert info.module == "jaxnitro.plugins.run_folder.lock" and "jaxnitro_hold_run_folder()" in info.answered
     assert (jn.RunFolderInUse, jn.RunFolderLost) == (lock.RunFolderInUse, lock.RunFolderLost)
     assert issubclass(jn.RunFolderInUse, RuntimeError) and issubclass(jn.RunFolderLost, RuntimeError)
     held = lock.hold_run_folder(str(tmp_path))
