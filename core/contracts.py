@@ -25,6 +25,7 @@ __all__ = [
     "Prefetcher",
     "REPORTER_METHODS",
     "Reporter",
+    "RunFolderHold",
     "Source",
     "StatefulStream",
     "StopPolicy",
@@ -249,3 +250,21 @@ class Exporter(Protocol):
     """
 
     def jaxnitro_export(self, program: Any, path: Any, options: dict[str, Any]) -> Any: ...
+
+
+@runtime_checkable
+class RunFolderHold(Protocol):
+    """What ``jaxnitro_hold_run_folder`` returns: one run's hold on its folder (the built-in is
+    the ``run_lock`` plugin's lock, ``<run folder>/.jaxnitro-run.lock``).
+
+    The core registers it as a plugin for that run only (from before ``jaxnitro_run_start``
+    to after ``jaxnitro_run_finish``), so the lifecycle hooks it implements with
+    ``@hookimpl`` see that run (the built-in checks at each cut that the folder is still
+    there), and calls :meth:`release` once at the run's end.
+    """
+
+    def release(self, status: str) -> None:
+        """The run ended with ``status`` (``"done"``, ``"diverged"``, ``"interrupted"``,
+        ``"preempted"``, ``"failed"``): give the folder up. Called whatever the status, after
+        every ``jaxnitro_run_finish``; what it raises propagates (replacing none: the core
+        calls it in a ``finally``)."""

@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
 
     import jax
 
-    from .contracts import IndexedSource, Logger, Prefetcher, Reporter, Source
+    from .contracts import IndexedSource, Logger, Prefetcher, Reporter, RunFolderHold, Source
     from .distributed import Dist
     from .events import RunContext, StepStretch
     from .handle import Nitro
@@ -428,6 +428,30 @@ class ExtensionSpec:
         raised here is reported naming ``run_dir`` and the fix. The built-in answer
         (``run_folder`` plugin) is ``<root>/<YYYYmmdd-HHMMSS>-<n>``; the checkpointer's
         ``("latest", ...)`` and ``resume="auto"`` look for folders named that way.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_hold_run_folder(self, folder: str, dist: Dist | None) -> RunFolderHold | None:
+        """Take ``folder`` (absolute, created) for one run, so that no other run writes it
+        meanwhile; return the hold (a :class:`jaxnitro.plugin.RunFolderHold`), or ``None`` if
+        not yours.
+
+        Called once per ``train()``, after the folder is named (or a resumed run's folder is
+        chosen to continue) and before anything is written into it: no logger is made and no
+        lifecycle hook of the run has been called. ``dist`` is the handle's
+        :class:`jaxnitro.distributed.Dist` (``process_count``, ``is_main``, ``from_main``). In a
+        multi-process job (``dist.multi_process``) it is called on every
+        process at the same point, on the job's one folder: the answer must agree across
+        processes (the built-in locks on process 0 and tells the others with
+        ``dist.from_main``). To refuse the run, raise on every process (the built-in raises
+        ``jn.RunFolderInUse``, naming the owner and the fix): the run is then ``"failed"``
+        before it starts, and no run hook and no ``release`` is called.
+
+        The core registers the returned object as a plugin for this run only (its lifecycle
+        hooks see this run: the built-in checks at each cut that the folder is still there,
+        raising ``jn.RunFolderLost``) and calls ``hold.release(status)`` once at the run's end,
+        whatever the status, after every ``jaxnitro_run_finish``. With no answer the run
+        trains unlocked, with a ``RuntimeWarning`` naming the ``run_lock`` plugin.
         """
 
     @hookspec(firstresult=True)

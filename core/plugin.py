@@ -17,7 +17,8 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 :class:`Reporter`, :class:`Source`, :class:`IndexedSource`, :class:`StopPolicy`,
 :class:`Checkpointer`, :class:`Exporter`, :class:`StatefulStream` (a stream that records and
 restores its iterator state; :class:`PassStates` keeps its per-batch states), :class:`Prefetcher`
-(a wrapped split, ``jaxnitro_make_prefetcher``'s answer).
+(a wrapped split, ``jaxnitro_make_prefetcher``'s answer), :class:`RunFolderHold` (what
+``jaxnitro_hold_run_folder`` returns: a run's hold on its folder).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -74,6 +75,7 @@ from .contracts import (
     PREFETCHER_MEMBERS,
     Prefetcher,
     Reporter,
+    RunFolderHold,
     Source,
     StatefulStream,
     StopPolicy,
@@ -107,7 +109,7 @@ __all__ = [
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
     "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates", "Prefetcher",
-    "PREFETCHER_MEMBERS",
+    "PREFETCHER_MEMBERS", "RunFolderHold",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs

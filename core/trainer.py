@@ -36,13 +36,12 @@ from .plugin_manager import disabled_note, first_result, plugin_manager
 from .source_contract import accessors, is_addressable
 from .progress import phase_start
 from .reads import StepReads, step_scalars
-from .run_lock import hold_run_folder
 from .routing import KEY_DATA
 from .schedules import StepValues
 from .sources import release_sources
 from .stream_state import capture, is_stateful, restore, saved_state
 
-__all__ = ["run_training", "new_run_folder", "READ_EVERY", "step_scalars"]
+__all__ = ["run_training", "new_run_folder", "hold_run_folder", "READ_EVERY", "step_scalars"]
 
 log = structlog.get_logger("jaxnitro")
 
@@ -85,6 +84,34 @@ def new_run_folder(root: str, experiment=None) -> str:
     return os.path.abspath(os.fspath(folder))
 
 
+def hold_run_folder(folder: str, dist=None):
+    """The run's hold on ``folder`` from the ``jaxnitro_hold_run_folder`` hook (built in: the
+    ``run_lock`` plugin's lock), taken before anything is written into it; on every process of
+    a job. The hook's refusal (``jn.RunFolderInUse``) propagates. With no answer, None and one
+    ``RuntimeWarning`` (on process 0): the run trains into the folder unlocked and unguarded.
+    Raises ``TypeError`` naming the hook for an answer without ``release``."""
+    hold = first_result("jaxnitro_hold_run_folder", folder=folder, dist=dist)
+    if hold is None:
+        if dist is None or dist.is_main:
+            log.warning("run folder unlocked", folder=folder)
+            warnings.warn(
+                f"jaxnitro: no plugin holds the run folder {folder} (hook `jaxnitro_hold_run_folder`)"
+                f"{disabled_note()}, so this run writes it unlocked: another run writing the same "
+                f"folder (a second resume=\"auto\" of a run still running) is not refused, and the "
+                f"folder deleted mid-run is not noticed. Enable the built-in `run_lock` plugin, or "
+                f"install one that answers the hook.",
+                RuntimeWarning, stacklevel=4,
+            )
+        return None
+    if not callable(getattr(hold, "release", None)):
+        raise TypeError(
+            f"jaxnitro: the `jaxnitro_hold_run_folder` hook answered {hold!r}, which has no "
+            f"`release(status)` method. The plugin that answers it must return a hold the core can "
+            f"release at the run's end (see jaxnitro.plugin.RunFolderHold), or None."
+        )
+    return hold
+
+
 def run_training(nitro) -> None:
     """Run ``nitro``'s training; see :meth:`jaxnitro.Nitro.train`.
 
@@ -103,18 +130,18 @@ def run_training(nitro) -> None:
     fails, the handle keeps a final status.
     """
     record = nitro.record
-    status = folder = None  # status: set by the run itself, or from the exception that ended it
+    status = hold = None  # status: set by the run itself, or from the exception that ended it
     with stop_signals():
         try:
             record.status = "running"
             record.run_dir = run_folder_of(nitro)
             dist = nitro.plan.dist
-            folder = hold_run_folder(record.run_dir, dist)  # before anything is written into it
+            hold = hold_run_folder(record.run_dir, dist)  # before anything is written into it
             run = RunContext(nitro, record.run_dir)
             logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
             record.loggers = run.loggers = make_loggers(logger, record.run_dir, nitro.experiment)
             check_loggers(run.loggers)  # a missing verb fails before the run starts, not mid-run
-            with run_scoped([folder]):  # the loggers are driven by the logger_relay plugin
+            with run_scoped([] if hold is None else [hold]):  # the hold's hooks see this run only
                 try:
                     emit("jaxnitro_run_start", run=run)
                     status = _Run(nitro, run).run()
@@ -131,8 +158,8 @@ def run_training(nitro) -> None:
             raise
         finally:
             record.status = status
-            if folder is not None:
-                folder.release()  # whatever the status; a killed process's lock is stale by construction
+            if hold is not None:
+                hold.release(status)  # whatever the status; a killed process's lock is stale by construction
             release_sources(nitro.data)  # once per run end; a released source reopens when read again
 
 

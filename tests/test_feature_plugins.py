@@ -1,5 +1,6 @@
-"""Features that left the core for plugins: run-folder naming (``run_folder``), the persistent
-compilation cache switch (``compilation_cache``) and the logger fan-out (``logger_relay``).
+"""Features that left the core for plugins: run-folder naming (``run_folder``), the run-folder
+lock (``run_lock``), the persistent compilation cache switch (``compilation_cache``) and the
+logger fan-out (``logger_relay``).
 Each is an entry point like any third-party plugin: one installed beside it replaces it."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 import jaxnitro as jn
 import jaxnitro.plugin as P
+from jaxnitro.events import run_scoped
 from jaxnitro.plugin_manager import plugin_manager
 from plugin_dist import installed, write_distribution
 from tiny import Tiny, tiny_data
@@ -115,6 +117,140 @@ def test_without_a_run_folder_plugin_train_is_refused_naming_the_hook(tmp_path, 
         "that answers the hook."
     )
     assert n.status == "failed" and os.listdir(tmp_path) == []
+
+
+# -- the run-folder lock ------------------------------------------------------------------------
+
+LOCKER = textwrap.dedent(
+    '''
+    """A third-party package holding run folders its own way: a HELD marker file."""
+    import os
+    from jaxnitro.plugin import hookimpl
+
+    CALLS = []
+
+
+    class Hold:
+        def __init__(self, folder):
+            self.folder = folder
+            open(os.path.join(folder, "HELD"), "w").close()
+
+        @hookimpl
+        def jaxnitro_run_start(self, run):  # the hold is a plugin of its run
+            CALLS.append(("run_start", os.path.basename(run.run_dir)))
+
+        def release(self, status):
+            os.remove(os.path.join(self.folder, "HELD"))
+            CALLS.append(("release", status))
+
+
+    @hookimpl
+    def jaxnitro_hold_run_folder(folder, dist):
+        CALLS.append(("hold", os.path.basename(folder), dist.process_count))
+        return Hold(folder)
+    '''
+)
+
+
+@pytest.fixture
+def locker(tmp_path):
+    site = write_distribution(tmp_path / "site", module="jaxnitro_lock_testplugin", source=LOCKER,
+                              dist="jaxnitro-lock-test", entry="lock_test", version="2.0")
+    with installed(site, "jaxnitro_lock_testplugin"):
+        import jaxnitro_lock_testplugin as plugin
+
+        yield plugin
+
+
+class _SeesFolder:
+    """Notes what the run folder holds at the first epoch's end (while the run writes it)."""
+
+    def __init__(self, fail=False):
+        self.seen, self.fail = None, fail
+
+    @jn.hookimpl
+    def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+        self.seen = sorted(os.listdir(run.run_dir))
+        if self.fail:
+            raise ValueError("boom")
+
+
+def test_a_third_party_plugin_replaces_the_run_folder_lock(tmp_path, locker):
+    from jaxnitro.plugins.run_folder.lock import LOCK_NAME
+
+    sees = _SeesFolder()
+    with run_scoped([sees]):
+        n = jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+    name = os.path.basename(n.run_dir)
+    assert locker.CALLS == [("hold", name, 1), ("run_start", name), ("release", "done")]
+    assert "HELD" in sees.seen and LOCK_NAME not in sees.seen  # its hold, not the built-in lock
+    assert os.listdir(n.run_dir) == []  # released
+    (answer,) = [a for a in P.answers_for(n) if a.hook == "jaxnitro_hold_run_folder"]
+    assert P.answer_source(answer) == "plugin lock_test (jaxnitro-lock-test 2.0)"
+    assert "plugin lock_test (jaxnitro-lock-test 2.0)" in str(n)  # print(nitro) names it
+
+    locker.CALLS.clear()  # a failed run is released too, with its status; the hold saw only its run
+    with run_scoped([_SeesFolder(fail=True)]), pytest.raises(ValueError, match="boom"):
+        jn.train(Tiny(max_epochs=2), data=tiny_data(), run_dir=tmp_path, logger=None)
+    assert [c[0] for c in locker.CALLS] == ["hold", "run_start", "release"] and locker.CALLS[-1] == ("release", "failed")
+
+
+def test_the_built_in_lock_is_the_run_lock_plugin_and_exports_its_errors(tmp_path):
+    from jaxnitro.plugins.run_folder import lock
+
+    sees = _SeesFolder()
+    with run_scoped([sees]):
+        n = jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+    assert lock.LOCK_NAME in sees.seen and not os.path.exists(os.path.join(n.run_dir, lock.LOCK_NAME))
+    (answer,) = [a for a in P.answers_for(n) if a.hook == "jaxnitro_hold_run_folder"]
+    assert answer.plugin == "run_lock" and answer.line() == "jaxnitro_hold_run_folder() -> run_lock"
+    (info,) = [p for p in jn.plugins_info() if p.name == "run_lock"]
+    assert info.module == "jaxnitro.plugins.run_folder.lock" and "jaxnitro_hold_run_folder()" in info.answered
+    assert (jn.RunFolderInUse, jn.RunFolderLost) == (lock.RunFolderInUse, lock.RunFolderLost)
+    assert issubclass(jn.RunFolderInUse, RuntimeError) and issubclass(jn.RunFolderLost, RuntimeError)
+    held = lock.hold_run_folder(str(tmp_path))
+    assert isinstance(held, P.RunFolderHold)
+    held.release("done")
+    assert not os.path.exists(tmp_path / lock.LOCK_NAME)
+
+
+def test_without_the_lock_plugin_a_run_writes_its_folder_unlocked_and_says_so(tmp_path, disabled):
+    disabled("run_lock")
+    sees = _SeesFolder()
+    with warnings.catch_warnings(record=True) as caught, run_scoped([sees]):
+        warnings.simplefilter("always")
+        n = jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+    unlocked = [w for w in caught if "unlocked" in str(w.message)]
+    assert [str(w.message) for w in unlocked] == [
+        f"jaxnitro: no plugin holds the run folder {n.run_dir} (hook `jaxnitro_hold_run_folder`) (plugins "
+        f"disabled by JAXNITRO_DISABLE_PLUGINS: run_lock), so this run writes it unlocked: another run writing "
+        f"the same folder (a second resume=\"auto\" of a run still running) is not refused, and the folder "
+        f"deleted mid-run is not noticed. Enable the built-in `run_lock` plugin, or install one that answers "
+        f"the hook."
+    ]
+    assert unlocked[0].category is RuntimeWarning
+    assert n.status == "done" and sees.seen == []  # no lock file while it ran: nothing else was written
+    with pytest.raises(AttributeError):
+        jn.RunFolderInUse  # noqa: B018 - the plugin's export goes with it
+
+
+class _NoRelease:
+    @jn.hookimpl
+    def jaxnitro_hold_run_folder(self, folder, dist):
+        return "held"
+
+
+def test_a_hold_without_release_is_refused_naming_the_hook(tmp_path):
+    with run_scoped([_NoRelease()]):
+        n = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
+        with pytest.raises(TypeError) as err:
+            n.train()
+    assert str(err.value) == (
+        "jaxnitro: the `jaxnitro_hold_run_folder` hook answered 'held', which has no `release(status)` "
+        "method. The plugin that answers it must return a hold the core can release at the run's end (see "
+        "jaxnitro.plugin.RunFolderHold), or None."
+    )
+    assert n.status == "failed" and os.listdir(n.run_dir) == []
 
 
 # -- the persistent compilation cache ----------------------------------------------------------

@@ -28,7 +28,7 @@ import pytest
 import jaxnitro as jn
 from jaxnitro.checkpointers import orbax as plugin
 from jaxnitro.events import run_scoped
-from jaxnitro.run_lock import LOCK_NAME, RunFolderInUse, RunFolderLost, hold_run_folder, lock_owner
+from jaxnitro.plugins.run_folder.lock import LOCK_NAME, RunFolderInUse, RunFolderLost, hold_run_folder, lock_owner
 from test_checkpoints import Ranked, step_dirs
 
 SPE = 6  # optimizer steps per epoch of the tiny data
@@ -47,7 +47,7 @@ def only_run(root) -> Path:
 
 HOLDER = """
 import sys, time
-from jaxnitro.run_lock import hold_run_folder
+from jaxnitro.plugins.run_folder.lock import hold_run_folder
 lock = hold_run_folder(sys.argv[1])
 print("held", flush=True)
 sys.stdin.readline()
@@ -113,7 +113,7 @@ def test_the_lock_names_the_job_and_is_released_whatever_the_status(tmp_path):
 def test_without_flock_the_record_decides(tmp_path, monkeypatch):
     """A file system that refuses ``flock`` (ENOLCK): a live pid of this host holds the folder,
     a dead one's lock is stale, another host's is refused."""
-    from jaxnitro import run_lock
+    from jaxnitro.plugins.run_folder import lock as run_lock
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -1,5 +1,12 @@
 """One writer per run folder: the lock a run holds on its folder, and the check that the folder
-is still there.
+is still there (entry point ``run_lock``).
+
+Answers ``jaxnitro_hold_run_folder`` (``trylast``: an installed plugin holding folders its own
+way wins) and exports ``jn.RunFolderInUse`` and ``jn.RunFolderLost``. With this plugin
+disabled (``JAXNITRO_DISABLE_PLUGINS=run_lock``) and no other answer, runs train into their
+folders unlocked and unguarded, with a warning. It shares the ``run_folder`` package with the
+folder naming (entry point ``run_folder``) but is its own entry point, so either can be
+disabled alone.
 
 A run writes its folder (``metrics.jsonl``, ``checkpoints/``, other loggers' files) from its
 start to its finish. Two runs writing one folder (a requeued job resuming with
@@ -42,14 +49,15 @@ import warnings
 
 import structlog
 
-from .hookspecs import hookimpl
+from jaxnitro.plugin import hookimpl
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["LOCK_NAME", "RunFolderInUse", "RunFolderLost", "RunFolderLock", "hold_run_folder", "lock_owner"]
+__all__ = ["LOCK_NAME", "RunFolderInUse", "RunFolderLost", "RunFolderLock", "hold_run_folder", "lock_owner",
+           "jaxnitro_exports", "jaxnitro_hold_run_folder"]
 
 log = structlog.get_logger("jaxnitro")
 
@@ -134,9 +142,11 @@ def _stale_warning(folder: str, owner: dict | None, how: str) -> None:
 
 
 class RunFolderLock:
-    """The lock one run holds on its folder (see the module's docstring), and its guard.
+    """The lock one run holds on its folder (see the module's docstring), and its guard: a
+    :class:`jaxnitro.plugin.RunFolderHold`, which the core registers as a plugin for the run
+    (its lifecycle hooks below check the folder at each cut) and releases at the run's end.
 
-    ``owner`` is False in a multi-process job's processes other than 0 (they share process
+    ``fd`` is None in a multi-process job's processes other than 0 (they share process
     0's lock); every process guards the folder. :meth:`release` removes the lock file and is
     idempotent.
     """
@@ -216,8 +226,9 @@ class RunFolderLock:
 
     # -- the lock --------------------------------------------------------------------------
 
-    def release(self) -> None:
-        """Give the folder up: remove the lock file (when it is still this lock's) and close it."""
+    def release(self, status: str | None = None) -> None:
+        """Give the folder up: remove the lock file (when it is still this lock's) and close it.
+        ``status`` is the run's final status (the lock goes whatever it is)."""
         fd, self.fd = self.fd, None
         if fd is None:
             return
@@ -321,3 +332,13 @@ def hold_run_folder(folder: str, dist=None) -> RunFolderLock:
     if refused is not None:
         raise RunFolderInUse(refused)
     return RunFolderLock(folder, fd)
+
+
+@hookimpl(trylast=True)
+def jaxnitro_hold_run_folder(folder, dist):
+    return hold_run_folder(folder, dist)
+
+
+@hookimpl
+def jaxnitro_exports():
+    return {"RunFolderInUse": RunFolderInUse, "RunFolderLost": RunFolderLost}

@@ -6,6 +6,10 @@ counter from 1; a name already taken (two runs in one second, two processes at o
 to the next counter, because ``os.mkdir`` fails on an existing folder, so no folder is ever
 reused. The checkpointer's ``("latest", ...)`` and ``resume="auto"`` sort run folders by this
 name.
+
+The package also holds :mod:`jaxnitro.plugins.run_folder.lock`, the lock a run holds on its
+folder (entry point ``run_lock``, answering ``jaxnitro_hold_run_folder``): a plugin of its own,
+which this module does not import, so that naming and locking are disabled apart.
 """
 
 from __future__ import annotations
