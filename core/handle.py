@@ -237,7 +237,7 @@ class Nitro:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics).
 
         ``throughput=True`` adds each row's measured figures (``steps_per_sec``, ``samples_per_sec``
-        or ``tokens_per_sec``, ``flops_per_step``, ``mfu``: :mod:`jaxnitro.throughput`) as
+        or ``tokens_per_sec``, ``flops_per_step``, ``mfu``: the ``throughput`` plugin's ``nitro.record.throughput``) as
         columns; they are left out by default so that the rows of two runs of the same
         settings (a resumed run and a straight one) stay equal."""
         rows = self.rows

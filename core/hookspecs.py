@@ -219,7 +219,7 @@ def decay_anchor(self, group: str) -> Literal["zero", "w0"]:
 def monitor(self) -> tuple[str, Literal["max", "min"]] | None:
     """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
 
-# -- precision and throughput -------------------------------------------------
+# -- precision and throughput (the throughput plugin asks samples_per_batch) -------------------------------------------------
 
 @hookspec(firstresult=True)
 def keep_float32(self, path: tuple) -> bool:
@@ -526,6 +526,16 @@ class LifecycleSpec:
     def jaxnitro_before_verb(self, nitro: Nitro, verb: str) -> None:
         """A verb (``"train"``, ``"validate"``, ``"evaluate"``, ``"predict"``) is about to
         run on ``nitro``. The stale-handle report subscribes here."""
+
+    @hookspec
+    def jaxnitro_row_closed(self, run: RunContext, row: dict[str, Any]) -> None:
+        """A history row's train columns are complete: every step up to ``row["step"]`` has been
+        read (and given to ``jaxnitro_steps_read``), and ``row`` (``epoch``, ``step``,
+        ``train_loss``) is appended to ``run.nitro.rows``. Its validation, when the run
+        validates, comes next, then ``jaxnitro_epoch_end``. Once per row, never per step; a
+        row's figures made from the stretches read (the throughput plugin's
+        ``nitro.record.throughput``) are closed here, so they are in place for
+        ``jaxnitro_epoch_end``."""
 
 
 EXPERIMENT_HOOKS = (

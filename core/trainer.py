@@ -479,7 +479,7 @@ class _Run:
         if closes:
             reads.row_ends.append((epoch, step))
             if reads.first_unread > step:  # its last step was already read
-                reads.emit_unvalidated(reads.close_row())
+                reads.row_closed(reads.close_row())
         if epoch_done:
             emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats or {})
         validate, boundary = closes and self.validated, book.boundary(step) and not again
