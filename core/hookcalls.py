@@ -63,6 +63,7 @@ OBSERVED = frozenset({
     "jaxnitro_run_ending", "jaxnitro_run_finish",
     "jaxnitro_export",
     "jaxnitro_new_run_folder", "jaxnitro_persistent_cache",
+    "jaxnitro_preflight",
 })
 """The hooks whose implementations note their results (and, in a guarded call, their errors)."""
 

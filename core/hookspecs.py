@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
     from .contracts import IndexedSource, Logger, Reporter, Source
     from .distributed import Dist
     from .events import RunContext, StepStretch
+    from .first_step import FirstStep
     from .handle import Nitro
     from .inference import InferenceProgram
     from .history import MetricHistory
@@ -418,6 +419,25 @@ class ExtensionSpec:
         ``None`` for your default. Every program compiled afterwards should be written there
         and read back by a later process. The built-in answer (``compilation_cache`` plugin)
         is JAX's own cache (``jax_compilation_cache_dir``).
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_preflight(self, nitro: Nitro, step: FirstStep, refuse: bool) -> Any:
+        """Check, before it runs, that ``nitro``'s train step fits the device; return a report,
+        or ``None`` if not yours.
+
+        ``step`` is a :class:`jaxnitro.plugin.FirstStep`: the programs the loop's first
+        optimizer step runs, each with the arguments of its first dispatch (compile them with
+        ``jitted.lower(*args).compile()``: the step then compiles nothing again), the device,
+        the mesh's device count and the device's capacity (None where JAX knows none). Asked
+        once per set of programs, before the first step of a run (``refuse=True``: raise a
+        ``MemoryError`` naming the knobs that help when it cannot fit; the run then fails
+        before its first step) and by ``jn.memory_report`` (``refuse=False``: report only).
+        The core keeps the answer with the programs (``nitro.plan.memory``); ``print(nitro)``
+        shows ``report.rows()`` (``[(what, figure)]``) headed by ``report.device`` and
+        ``report.n_devices``, and the throughput plugin reads ``report.flops_per_step`` (FLOPs
+        of one optimizer step per device, or None). The built-in answer (``trylast``) is the
+        ``memory`` plugin's ``jn.MemoryReport``.
         """
 
 

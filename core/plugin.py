@@ -46,6 +46,8 @@ distribution.
   :func:`rule_state_of`, :data:`HYPERS`;
 * export: :class:`InferenceProgram` (what ``jaxnitro_export`` gets), :func:`pad_batch`.
 * the persistent compilation cache: :data:`CACHE_ENV`.
+* the memory preflight: :class:`FirstStep` and :class:`StepProgram` (what
+  ``jaxnitro_preflight`` gets).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from .describe import describe, summarize_value
 from .distributed import ProcessPart, split_by_process
 from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
+from .first_step import FirstStep, StepProgram
 from .experiment import call_method, fields_of, is_experiment, method_of, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
 from .plugin_manager import answer_source
@@ -112,6 +115,8 @@ __all__ = [
     "InferenceProgram", "pad_batch",
     # the persistent compilation cache
     "CACHE_ENV",
+    # the memory preflight
+    "FirstStep", "StepProgram",
 ]
 
 

@@ -144,7 +144,7 @@ class Plan:
 
     @property
     def memory(self):
-        """The memory preflight's :class:`~jaxnitro.memory.MemoryReport` of these programs, or None."""
+        """The memory preflight's answer (``jaxnitro_preflight``; the ``memory`` plugin's ``MemoryReport``) for these programs, or None."""
         return getattr(self.programs, "memory", None)
 
 

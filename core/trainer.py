@@ -31,7 +31,7 @@ from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import check_loggers, make_loggers
-from .memory import preflight
+from .first_step import preflight
 from .plugin_manager import disabled_note, first_result, plugin_manager
 from .prefetch import is_addressable
 from .prefetch.contract import accessors
@@ -305,7 +305,7 @@ class _Run:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
-                if nitro.plan.programs.memory is None:  # the memory preflight: compiles the first step's programs
+                if nitro.plan.programs.memory is None:  # the memory preflight (a plugin) compiles the first step
                     nitro.plan.programs.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
