@@ -1,8 +1,8 @@
 """The first optimizer step as the loop dispatches it, for a memory preflight (a plugin).
 
 Before the first step of a run (and for ``jn.memory_report``) the core asks the
-``jaxnitro_preflight`` hook (the built-in answer is the ``memory`` plugin) with a
-:class:`FirstStep`: the programs the loop's first optimizer step runs, each with the very
+``jaxnitro_preflight`` hook (the built-in answer is the ``memory_preflight`` plugin) with
+a :class:`FirstStep`: the programs the loop's first optimizer step runs, each with the very
 arguments its first dispatch passes (the handle's own state leaves and Device values, the
 train split's first batch staged as the loop stages it, the run's hyperparameters and
 ``1/accum``), so that a plugin compiling them ahead of time
@@ -157,7 +157,7 @@ def first_step(nitro, scheds=None, scale=None) -> FirstStep:
 def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True, required: bool = False):
     """The ``jaxnitro_preflight`` answer for ``nitro``'s first step (see :func:`first_step`),
     or None when no plugin implements the hook (then nothing is built). With ``required``
-    (``jn.memory_report``) no answer is a ``RuntimeError`` naming the ``memory`` plugin."""
+    (``jn.memory_report``) no answer is a ``RuntimeError`` naming the ``memory_preflight`` plugin."""
     if plugin_manager().hook.jaxnitro_preflight.get_hookimpls():
         report = first_result("jaxnitro_preflight", nitro=nitro, step=first_step(nitro, scheds, scale), refuse=refuse)
         if report is not None or not required:
@@ -166,5 +166,5 @@ def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True, required: 
         return None
     raise RuntimeError(
         f"jaxnitro: no plugin answers the memory preflight (hook `jaxnitro_preflight`){disabled_note()}. "
-        f"Enable the built-in `memory` plugin, or install one that answers the hook."
+        f"Enable the built-in `memory_preflight` plugin, or install one that answers the hook."
     )

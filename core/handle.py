@@ -315,7 +315,7 @@ def memory_report(experiment, **kwargs):
     handle (setup only), compile its first train step ahead of time (the programs then sit
     in the compile cache: a handle trained next with the same settings compiles nothing) and
     return the report, whether the step fits or not: the ``jaxnitro_preflight`` answer (the
-    built-in ``memory`` plugin's ``jn.MemoryReport``, ``report.fits``). ``RuntimeError``
+    built-in ``memory_preflight`` plugin's ``jn.MemoryReport``, ``report.fits``). ``RuntimeError``
     naming that plugin when no plugin answers."""
     kwargs.setdefault("logger", None)
     nitro = Nitro(experiment, **kwargs)

@@ -437,7 +437,7 @@ class ExtensionSpec:
         shows ``report.rows()`` (``[(what, figure)]``) headed by ``report.device`` and
         ``report.n_devices``, and the throughput plugin reads ``report.flops_per_step`` (FLOPs
         of one optimizer step per device, or None). The built-in answer (``trylast``) is the
-        ``memory`` plugin's ``jn.MemoryReport``.
+        ``memory_preflight`` plugin's ``jn.MemoryReport``.
         """
 
 

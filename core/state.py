@@ -144,7 +144,8 @@ class Plan:
 
     @property
     def memory(self):
-        """The memory preflight's answer (``jaxnitro_preflight``; the ``memory`` plugin's ``MemoryReport``) for these programs, or None."""
+        """The memory preflight's answer for these programs (``jaxnitro_preflight``; the
+        ``memory_preflight`` plugin's ``MemoryReport``), or None."""
         return getattr(self.programs, "memory", None)
 
 

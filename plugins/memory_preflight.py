@@ -1,7 +1,7 @@
 """The memory preflight: the train step compiled ahead of time, its figures per device.
 
-Entry point ``memory``; it answers ``jaxnitro_preflight`` (``trylast``: an installed plugin
-answering the hook wins) and exports ``jn.MemoryReport`` and ``jn.WontFitError``. The core
+Entry point ``memory_preflight``; it answers ``jaxnitro_preflight`` (``trylast``: an
+installed plugin answering the hook wins) and exports ``jn.MemoryReport`` and ``jn.WontFitError``. The core
 asks the hook before the first step of a run and for ``jn.memory_report(e, **knobs)``, with
 the first optimizer step as the loop dispatches it (:class:`jaxnitro.plugin.FirstStep`: its
 programs with their first arguments, the device and its capacity). This plugin lowers and
@@ -23,7 +23,7 @@ program for that signature, so the first step compiles nothing again (one trace 
 
 A step that needs more than the capacity is refused (:class:`WontFitError`, a
 ``MemoryError``) before it runs, naming the knobs that help. Disabled
-(``JAXNITRO_DISABLE_PLUGINS=memory``), runs start without a preflight (no ``memory per
+(``JAXNITRO_DISABLE_PLUGINS=memory_preflight``), runs start without a preflight (no ``memory per
 device`` band, no ``flops_per_step``) and ``jn.memory_report`` says no plugin answers.
 """
 
