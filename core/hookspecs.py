@@ -552,7 +552,8 @@ class LifecycleSpec:
         """A history row's train columns are complete: every step up to ``row["step"]`` has been
         read (and given to ``jaxnitro_steps_read``), and ``row`` (``epoch``, ``step``,
         ``train_loss``) is appended to ``run.nitro.rows``. Its validation, when the run
-        validates, comes next, then ``jaxnitro_epoch_end``. Once per row, never per step; a
+        validates, comes next, then ``jaxnitro_epoch_end`` (the partial row a diverged run
+        appends at its end gets neither). Once per row, never per step; a
         row's figures made from the stretches read (the throughput plugin's
         ``nitro.record.throughput``) are closed here, so they are in place for
         ``jaxnitro_epoch_end``."""
