@@ -23,7 +23,6 @@ from .interrupts import PREEMPTED_EXIT_CODE, Preempted, Terminated
 from .knobs import Settings
 from .logger import backend, logger_info
 from .manual import Optimizers
-from .memory import MemoryReport, WontFitError
 from .markers import Device, GraphConst, Host, StrippedHost
 from .plugin_manager import plugins_info, reload_plugins
 from .source_errors import PrefetchError, SourceLengthError
@@ -64,8 +63,6 @@ __all__ = [
     "hookspec",
     "logger_info",
     "memory_report",
-    "MemoryReport",
-    "WontFitError",
     "plugins_info",
     "progress_note",
     "progress_reporter",

@@ -140,6 +140,12 @@ class StepStretch:
     ``epochs[i]`` is step ``first_step + i``'s epoch; ``schedules`` maps a
     varying schedule's log name (``schedule/<group>/<hyper>``,
     ``schedule/<field>``) to its per-step table, indexed by ``step - 1``.
+
+    When the loop read it (``time.perf_counter()`` seconds; None when not known):
+    ``read_at``, the read; ``since``, the previous read, or the dispatch that found the
+    device idle (after a validation, an event) when that came later: the device computed
+    the ``fetched`` steps the read took in between (``len(rows)``, or more when the read
+    stopped at a non-finite step). The throughput plugin makes its rates from these.
     """
 
     first_step: int
@@ -147,6 +153,9 @@ class StepStretch:
     rows: list[list[float]]
     epochs: list[int]
     schedules: dict = field(default_factory=dict)
+    read_at: float | None = None
+    since: float | None = None
+    fetched: int | None = None
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -28,7 +28,7 @@ from .interrupts import Preempted, stop_signals
 from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
 from .knobs import Settings
-from .memory import MemoryReport, preflight
+from .first_step import preflight
 from .hookcalls import recording
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
@@ -237,7 +237,7 @@ class Nitro:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics).
 
         ``throughput=True`` adds each row's measured figures (``steps_per_sec``, ``samples_per_sec``
-        or ``tokens_per_sec``, ``flops_per_step``, ``mfu``: :mod:`jaxnitro.throughput`) as
+        or ``tokens_per_sec``, ``flops_per_step``, ``mfu``: the ``throughput`` plugin's ``nitro.record.throughput``) as
         columns; they are left out by default so that the rows of two runs of the same
         settings (a resumed run and a straight one) stay equal."""
         rows = self.rows
@@ -310,11 +310,13 @@ def train(experiment, **kwargs) -> Nitro:
     return Nitro(experiment, **kwargs).train()
 
 
-def memory_report(experiment, **kwargs) -> MemoryReport:
+def memory_report(experiment, **kwargs):
     """The memory preflight of ``jn.Nitro(experiment, **kwargs)`` without training: build the
     handle (setup only), compile its first train step ahead of time (the programs then sit
     in the compile cache: a handle trained next with the same settings compiles nothing) and
-    return the :class:`MemoryReport`, whether the step fits or not (``report.fits``)."""
+    return the report, whether the step fits or not: the ``jaxnitro_preflight`` answer (the
+    built-in ``memory_preflight`` plugin's ``jn.MemoryReport``, ``report.fits``). ``RuntimeError``
+    naming that plugin when no plugin answers."""
     kwargs.setdefault("logger", None)
     nitro = Nitro(experiment, **kwargs)
     if "train" not in nitro.data:
@@ -322,6 +324,6 @@ def memory_report(experiment, **kwargs) -> MemoryReport:
             f"jaxnitro: memory_report needs a `train` split (splits: {sorted(nitro.data)}); the "
             f"preflight compiles the train step. Return one from build_data or pass data=."
         )
-    report = preflight(nitro, refuse=False)
+    report = preflight(nitro, refuse=False, required=True)
     nitro.plan.programs.memory = report  # kept with the programs it measured (``nitro.plan.memory``)
     return report

@@ -66,6 +66,7 @@ OBSERVED = frozenset({
     "jaxnitro_export",
     "jaxnitro_new_run_folder", "jaxnitro_persistent_cache",
     "jaxnitro_hold_run_folder",
+    "jaxnitro_preflight",
 })
 """The hooks whose implementations note their results (and, in a guarded call, their errors),
 besides every ``firstresult`` extension hook (:func:`observed_hook`), listed or not."""

@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
     from .contracts import IndexedSource, Logger, Prefetcher, Reporter, RunFolderHold, Source
     from .distributed import Dist
     from .events import RunContext, StepStretch
+    from .first_step import FirstStep
     from .handle import Nitro
     from .inference import InferenceProgram
     from .history import MetricHistory
@@ -219,7 +220,7 @@ def decay_anchor(self, group: str) -> Literal["zero", "w0"]:
 def monitor(self) -> tuple[str, Literal["max", "min"]] | None:
     """Return ``(metric, "max" | "min")``: the metric the run is judged by."""
 
-# -- precision and throughput -------------------------------------------------
+# -- precision and throughput (the throughput plugin asks samples_per_batch) -------------------------------------------------
 
 @hookspec(firstresult=True)
 def keep_float32(self, path: tuple) -> bool:
@@ -465,6 +466,25 @@ class ExtensionSpec:
         is JAX's own cache (``jax_compilation_cache_dir``).
         """
 
+    @hookspec(firstresult=True)
+    def jaxnitro_preflight(self, nitro: Nitro, step: FirstStep, refuse: bool) -> Any:
+        """Check, before it runs, that ``nitro``'s train step fits the device; return a report,
+        or ``None`` if not yours.
+
+        ``step`` is a :class:`jaxnitro.plugin.FirstStep`: the programs the loop's first
+        optimizer step runs, each with the arguments of its first dispatch (compile them with
+        ``jitted.lower(*args).compile()``: the step then compiles nothing again), the device,
+        the mesh's device count and the device's capacity (None where JAX knows none). Asked
+        once per set of programs, before the first step of a run (``refuse=True``: raise a
+        ``MemoryError`` naming the knobs that help when it cannot fit; the run then fails
+        before its first step) and by ``jn.memory_report`` (``refuse=False``: report only).
+        The core keeps the answer with the programs (``nitro.plan.memory``); ``print(nitro)``
+        shows ``report.rows()`` (``[(what, figure)]``) headed by ``report.device`` and
+        ``report.n_devices``, and the throughput plugin reads ``report.flops_per_step`` (FLOPs
+        of one optimizer step per device, or None). The built-in answer (``trylast``) is the
+        ``memory_preflight`` plugin's ``jn.MemoryReport``.
+        """
+
 
 class LifecycleSpec:
     """Lifecycle hooks: the core calls every plugin's implementation at fixed points of a run.
@@ -571,6 +591,17 @@ class LifecycleSpec:
     def jaxnitro_before_verb(self, nitro: Nitro, verb: str) -> None:
         """A verb (``"train"``, ``"validate"``, ``"evaluate"``, ``"predict"``) is about to
         run on ``nitro``. The stale-handle report subscribes here."""
+
+    @hookspec
+    def jaxnitro_row_closed(self, run: RunContext, row: dict[str, Any]) -> None:
+        """A history row's train columns are complete: every step up to ``row["step"]`` has been
+        read (and given to ``jaxnitro_steps_read``), and ``row`` (``epoch``, ``step``,
+        ``train_loss``) is appended to ``run.nitro.rows``. Its validation, when the run
+        validates, comes next, then ``jaxnitro_epoch_end`` (the partial row a diverged run
+        appends at its end gets neither). Once per row, never per step; a
+        row's figures made from the stretches read (the throughput plugin's
+        ``nitro.record.throughput``) are closed here, so they are in place for
+        ``jaxnitro_epoch_end``."""
 
 
 EXPERIMENT_HOOKS = (

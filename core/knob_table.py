@@ -50,5 +50,5 @@ KNOB_DEFAULTS: dict[str, object] = {
 }
 RUN_KNOBS = tuple(KNOB_DEFAULTS)
 
-PLUGIN_KNOBS = ("early_stop", "checkpointer", "profile", "compilation_cache")
+PLUGIN_KNOBS = ("early_stop", "checkpointer", "profile", "compilation_cache", "device_peak_flops")
 """Knobs the core does not act on itself: a plugin must accept them (``jaxnitro_accept_knob``)."""

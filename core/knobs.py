@@ -139,7 +139,7 @@ class Settings:
     profile: object = None
     precision: str = "float32"
     remat: object = False
-    device_peak_flops: float | None = None
+    device_peak_flops: object = None  # accepted (checked, used) by the throughput plugin
     sharding: str = "replicated"
     mesh_shape: dict | None = None
     compilation_cache: object = None
@@ -316,7 +316,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sh
         profile=k["profile"],
         precision=k["precision"],
         remat=k["remat"],
-        device_peak_flops=None if k["device_peak_flops"] is None else float(k["device_peak_flops"]),
+        device_peak_flops=k["device_peak_flops"],
         monitor=monitor,
         knobs=dict(knobs),
         sharding=sharding,

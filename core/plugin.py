@@ -54,7 +54,9 @@ distribution.
   (:func:`host_items`, :func:`transferred`, :func:`serial`, :func:`skipped`), the source
   contract (:func:`is_addressable`, :func:`accessors`, :func:`adapted`, :func:`length_of`,
   :func:`describe_source`: how messages name a source) and its errors
-  (:class:`PrefetchError`, :class:`SourceLengthError`, :func:`failure_error`).
+  (:class:`PrefetchError`, :class:`SourceLengthError`, :func:`failure_error`);
+* the memory preflight: :class:`FirstStep` and :class:`StepProgram` (what
+  ``jaxnitro_preflight`` gets).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from .describe import describe, summarize_value
 from .distributed import ProcessPart, split_by_process
 from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
+from .first_step import FirstStep, StepProgram
 from .experiment import call_method, fields_of, is_experiment, method_of, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
 from .plugin_manager import answer_source
@@ -133,6 +136,8 @@ __all__ = [
     "SplitWrapper", "EpochStream", "NoPrefetch", "host_items", "serial", "skipped", "transferred",
     "accessors", "adapted", "describe_source", "is_addressable", "length_of",
     "PrefetchError", "SourceLengthError", "failure_error",
+    # the memory preflight
+    "FirstStep", "StepProgram",
 ]
 
 

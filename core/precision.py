@@ -31,8 +31,6 @@ Both are trace-time constants: :meth:`Policy.key` is part of every program key.
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 
 import equinox as eqx
 import jax
@@ -70,7 +68,7 @@ def remat_policies() -> tuple[str, ...]:
 
 
 def check_knobs(knobs: dict) -> None:
-    """Refuse a bad ``precision``, ``remat`` or ``device_peak_flops`` (resolved knobs:
+    """Refuse a bad ``precision`` or ``remat`` (resolved knobs:
     ``{name: ResolvedKnob}``), naming the knob, its source and the fix."""
     prec = knobs["precision"]
     if prec.value == "float16" or prec.value is jnp.float16 or prec.value == np.float16:
@@ -91,15 +89,6 @@ def check_knobs(knobs: dict) -> None:
                 f"{', '.join(map(repr, remat_policies()))} (or a policy function, e.g. "
                 f"jax.checkpoint_policies.save_only_these_names('x'))."
             )
-    peak = knobs["device_peak_flops"]
-    v = peak.value
-    if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real)
-                          or not math.isfinite(v) or v <= 0):
-        raise ValueError(
-            f"jaxnitro: run knob `device_peak_flops` = {v!r} ({peak.source}); give one device's peak "
-            f"FLOP/s at the run's precision as a number > 0 (e.g. 989e12 for an H100's bfloat16 "
-            f"dense peak), or None to use the known peak of the device, if any."
-        )
 
 
 class Policy:

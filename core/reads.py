@@ -5,8 +5,9 @@ Per optimizer step the device computes one float32 vector (``loss`` first, then
 micro-batch; a ``train_block`` dispatch ``[k, accum, n]`` of them. They stay on the
 device in ``pending`` until read, oldest first, so that the host never waits on the
 device mid-epoch. A read emits the steps as a :class:`~jaxnitro.StepStretch`
-(``jaxnitro_steps_read``), checks divergence, and closes the history rows whose last step
-it reached (a row's ``train_loss`` is the mean over its steps).
+(``jaxnitro_steps_read``, with the times of the read), checks divergence, and closes the
+history rows whose last step it reached (a row's ``train_loss`` is the mean over its steps;
+``jaxnitro_row_closed``).
 
 In: the run, the handle, the loop's ``accum``, the names of the scalars (known once a
 train program is traced). Out: rows appended to ``nitro.record.rows``;
@@ -22,7 +23,6 @@ import time
 import numpy as np
 
 from .events import StepStretch, emit
-from .throughput import Meter
 
 __all__ = ["StepReads", "step_scalars"]
 
@@ -50,13 +50,13 @@ class StepReads:
         self.values: list[list[float]] = []
         self.row_base = nitro.step
         self.diverged_names: tuple[str, ...] = ()
-        self.meter = Meter(nitro)  # throughput: the rows' device-bound seconds, from the read times
+        self.t: float | None = None  # the last read, or the dispatch that found the device idle
 
     def clock(self) -> None:
         """The loop is about to dispatch: with nothing in flight the device was idle (a
-        validation, an event), so the throughput clock restarts now."""
+        validation, an event), so the time the next read covers starts now."""
         if not self.pending:
-            self.meter.restart()
+            self.t = time.perf_counter()
 
     def resume_open_row(self, values: list) -> None:
         """Continue an open row from a checkpoint: the read scalars of its steps before
@@ -103,7 +103,8 @@ class StepReads:
         ready = self.pending[:n]
         del self.pending[:n]  # in place: the dispatcher appends to this same list
         values = step_scalars(ready, self.accum).tolist()
-        each = self.meter.read(len(values))
+        now = time.perf_counter()
+        since, self.t = self.t, now
         check = nitro.settings.check_divergence
         names = self.names()
         manual = "train_step" in nitro.plan.hooks  # the automatic step checks its loss; train_step every scalar
@@ -121,16 +122,16 @@ class StepReads:
                 break
             self.first_unread += 1
             self.values.append(row)
-            self.meter.step(each)
             rows.append(row)
             epochs.append(epoch)
             if self.row_ends and s == self.row_ends[0][1]:
                 closed.append(self.close_row())
         if rows:
-            stretch = StepStretch(first, names, rows, epochs, self.logged_sched)
+            stretch = StepStretch(first, names, rows, epochs, self.logged_sched, read_at=now, since=since,
+                                  fetched=len(values))
             emit("jaxnitro_steps_read", run=self.run, stretch=stretch)
         for row in closed:
-            self.emit_unvalidated(row)
+            self.row_closed(row)
         return diverged
 
     def train_columns(self) -> dict:
@@ -147,13 +148,14 @@ class StepReads:
         epoch, last = self.row_ends.popleft()
         row = {"epoch": epoch, "step": last, **self.train_columns()}
         self.nitro.record.rows.append(row)
-        self.meter.close(epoch, last)
         self.values, self.row_base = [], last
         return row
 
-    def emit_unvalidated(self, row: dict) -> None:
-        """``jaxnitro_epoch_end`` for a row without validation (a validated row gets it from
-        the loop, once its metrics are in the row)."""
+    def row_closed(self, row: dict) -> None:
+        """``jaxnitro_row_closed`` for a row just closed (its steps emitted), then
+        ``jaxnitro_epoch_end`` for a row without validation (a validated row gets it from the
+        loop, once its metrics are in the row)."""
+        emit("jaxnitro_row_closed", run=self.run, row=row)
         if "val" not in self.nitro.data:
             emit("jaxnitro_epoch_end", run=self.run, row=row)
 

@@ -151,7 +151,7 @@ def _settings(e, kwargs: dict, hooks: dict) -> Settings:
     check_ema_knob(knobs["ema"].value, knobs["ema"].source)
     n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
     logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
-    check_precision_knobs(knobs)  # precision, remat, device_peak_flops
+    check_precision_knobs(knobs)  # precision, remat
     sharding = check_sharding_knob(knobs["sharding"].value, knobs["sharding"].source)
     mesh_shape = check_mesh_shape(knobs["mesh_shape"].value, knobs["mesh_shape"].source, n_devs)
     _check_mesh_processes(mesh_shape, n_devs, knobs["mesh_shape"].source)

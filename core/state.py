@@ -144,7 +144,8 @@ class Plan:
 
     @property
     def memory(self):
-        """The memory preflight's :class:`~jaxnitro.memory.MemoryReport` of these programs, or None."""
+        """The memory preflight's answer for these programs (``jaxnitro_preflight``; the
+        ``memory_preflight`` plugin's ``MemoryReport``), or None."""
         return getattr(self.programs, "memory", None)
 
 
@@ -178,7 +179,8 @@ class RunRecord:
     the run's folder; ``loggers``: the run's loggers; ``diverged_at``:
     ``(step, epoch)`` of the first non-finite loss; ``problems``: what went wrong
     without ending the run (a logger's I/O error), as messages; ``throughput``: per row,
-    ``{"epoch", "step", "steps_per_sec", ...}`` (:mod:`jaxnitro.throughput`).
+    ``{"epoch", "step", "steps_per_sec", ...}``, appended by the ``throughput`` plugin
+    (:mod:`jaxnitro.plugins.throughput`; empty when it is disabled).
     """
 
     status: str = "setup"
@@ -188,4 +190,4 @@ class RunRecord:
     loggers: list = field(default_factory=list)
     diverged_at: tuple[int, int] | None = None
     problems: list = field(default_factory=list)
-    throughput: list = field(default_factory=list)  # per row: steps_per_sec, ... (jaxnitro.throughput)
+    throughput: list = field(default_factory=list)  # per row: steps_per_sec, ... (the throughput plugin)

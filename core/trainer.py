@@ -31,7 +31,7 @@ from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import check_loggers, make_loggers
-from .memory import preflight
+from .first_step import preflight
 from .plugin_manager import disabled_note, first_result, plugin_manager
 from .source_contract import accessors, is_addressable
 from .progress import phase_start
@@ -331,7 +331,7 @@ class _Run:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
-                if nitro.plan.programs.memory is None:  # the memory preflight: compiles the first step's programs
+                if nitro.plan.programs.memory is None:  # the memory preflight (a plugin) compiles the first step
                     nitro.plan.programs.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
@@ -505,7 +505,7 @@ class _Run:
         if closes:
             reads.row_ends.append((epoch, step))
             if reads.first_unread > step:  # its last step was already read
-                reads.emit_unvalidated(reads.close_row())
+                reads.row_closed(reads.close_row())
         if epoch_done:
             emit("jaxnitro_epoch_trained", run=self.run_ctx, epoch=epoch, step=step, stats=stats or {})
         validate, boundary = closes and self.validated, book.boundary(step) and not again

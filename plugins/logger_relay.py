@@ -11,7 +11,7 @@ their verbs; this plugin decides what each logger is told, and when:
 * an epoch trained: a ``data`` line (the data pipeline's figures);
 * a split evaluated: a ``validate`` line;
 * a history row's end: a ``throughput`` line (steps/s and the measured figures of
-  :mod:`jaxnitro.throughput`), then ``flush()``;
+  :mod:`jaxnitro.plugins.throughput`, in ``nitro.record.throughput``), then ``flush()``;
 * a step boundary a plugin asked for (a checkpointer's ``every_n_steps``): ``flush()``;
 * run finish: ``finish(status)``. A failed run's error text (``"<ExceptionType>:
   <message>"``) goes to ``finish(status, error=text)`` when the logger's ``finish`` takes the
@@ -162,7 +162,7 @@ def jaxnitro_epoch_trained(run, epoch, step, stats):
 
 @hookimpl(tryfirst=True)
 def jaxnitro_epoch_end(run, row):
-    timed = run.nitro.record.throughput  # the row's measured throughput (jaxnitro.throughput)
+    timed = run.nitro.record.throughput  # the row's measured throughput (the throughput plugin)
     for relay in _relays(run):
         if relay.failed is None and timed and timed[-1]["step"] == row["step"]:
             figures = {k: v for k, v in timed[-1].items() if k not in ("epoch", "step")}

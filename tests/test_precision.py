@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-import jaxnitro.memory as memory
+import jaxnitro.first_step as memory
 from jaxnitro import GraphConst
 from tiny import N_CLASSES, fresh_tiny
 

@@ -1,11 +1,13 @@
-"""The memory preflight: the train program compiled ahead of time, its figures per device.
+"""The memory preflight: the train step compiled ahead of time, its figures per device.
 
-:func:`preflight` lowers and compiles the first optimizer step's programs
-(``jax.jit(...).lower(args).compile()``) with the arguments the loop's first dispatch
-passes: the handle's own state leaves and Device values, the train split's first batch
-staged as the loop stages it, the run's hyperparameters and ``1/accum``. JAX keeps the
-traced and compiled program for that signature, so the first step compiles nothing again
-(one trace in ``cache_stats()``). The :class:`MemoryReport` holds, for one device:
+Entry point ``memory_preflight``; it answers ``jaxnitro_preflight`` (``trylast``: an
+installed plugin answering the hook wins) and exports ``jn.MemoryReport`` and ``jn.WontFitError``. The core
+asks the hook before the first step of a run and for ``jn.memory_report(e, **knobs)``, with
+the first optimizer step as the loop dispatches it (:class:`jaxnitro.plugin.FirstStep`: its
+programs with their first arguments, the device and its capacity). This plugin lowers and
+compiles those programs (``jitted.lower(*args).compile()``): JAX keeps the traced and compiled
+program for that signature, so the first step compiles nothing again (one trace in
+``cache_stats()``). The :class:`MemoryReport` holds, for one device:
 
 * ``params``, ``opt_state``, ``model_state``, ``batch``: the arrays' bytes on that device
   (a sharded array counts its shard: ``sharding.shard_shape``);
@@ -16,10 +18,13 @@ traced and compiled program for that signature, so the first step compiles nothi
 * ``capacity``: ``device.memory_stats()["bytes_limit"]`` where JAX knows it (GPU, TPU),
   else None ("unknown": a CPU);
 * ``flops_per_step``: XLA's ``cost_analysis()["flops"]`` of one optimizer step (the train
-  step plus ``accum - 1`` accumulate programs), per device; what throughput's MFU uses.
+  step plus ``accum - 1`` accumulate programs), per device; what the throughput plugin's MFU
+  reads (through ``nitro.plan.memory``, where the core keeps the report).
 
 A step that needs more than the capacity is refused (:class:`WontFitError`, a
-``MemoryError``) before it runs, naming the knobs that help.
+``MemoryError``) before it runs, naming the knobs that help. Disabled
+(``JAXNITRO_DISABLE_PLUGINS=memory_preflight``), runs start without a preflight (no ``memory per
+device`` band, no ``flops_per_step``) and ``jn.memory_report`` says no plugin answers.
 """
 
 from __future__ import annotations
@@ -28,15 +33,10 @@ import math
 from dataclasses import dataclass, field
 
 import jax
-import numpy as np
 
-from .batches import peek
-from .evaluation import make_transfer
-from .routing import KEY_COUNT, KEY_DATA
+from jaxnitro.plugin import hookimpl
 
-__all__ = ["MemoryReport", "WontFitError", "preflight", "per_device_bytes", "device_capacity"]
-
-TRAIN_HOOKS = ("forward", "loss", "train_metrics", "train_step")
+__all__ = ["MemoryReport", "WontFitError", "preflight", "per_device_bytes"]
 
 
 class WontFitError(MemoryError):
@@ -121,56 +121,6 @@ def per_device_bytes(tree, device=None) -> int:
     return total
 
 
-def device_capacity(device) -> int | None:
-    """The device's memory limit in bytes, where JAX knows it (``memory_stats()["bytes_limit"]``)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        stats = None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"])
-
-
-def _first_batch(nitro) -> dict:
-    """A train batch (zeros of the first batch's fields, which setup recorded: the source is not
-    read again, a stream not restarted), staged as the loop stages a one-step dispatch."""
-    plan = nitro.plan
-    train = nitro.data["train"]
-    specs = getattr(train, "first_batch_spec", None)
-    if specs is None:
-        first = peek(train)
-    else:
-        first = {f: np.zeros((plan.width, *shape), dtype) for f, (shape, dtype) in specs.items()}
-    batch = make_transfer(plan, TRAIN_HOOKS)(first)
-    if any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes):
-        batch = {**batch, KEY_DATA: nitro.state.rng, KEY_COUNT: np.uint32(0)}
-    return batch
-
-
-def _dev_values(nitro, scheds) -> dict:
-    if scheds is not None:
-        return scheds.dev(nitro.device_values, nitro.step)
-    dev = dict(nitro.device_values)
-    for name in nitro.plan.bindings.device:  # a scheduled field arrives as a host scalar per step
-        dev[name] = np.zeros((), np.dtype(dev[name].dtype))[()]
-    return dev
-
-
-def _hypers_and_scale(nitro, scheds):
-    dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
-    scale = jax.device_put(np.float32(1.0 / nitro.settings.accum))
-    if dist is not None:
-        scale = dist.replicate(scale)
-    if scheds is not None:
-        return scheds.hypers(nitro.step), scale
-    base = nitro.plan.opt_spec.base_vector(nitro.plan.base_lr)
-    if nitro.plan.bindings.opt:  # scheduled: a host row per step
-        return base, scale
-    vector = jax.device_put(base)
-    return (dist.replicate(vector) if dist is not None else vector), scale
-
-
 def _stats(compiled) -> tuple[int, int, float | None]:
     """``(temp bytes, bytes the program holds at once, flops)`` of a compiled program."""
     m = compiled.memory_analysis()
@@ -184,57 +134,27 @@ def _stats(compiled) -> tuple[int, int, float | None]:
     return temp, needed, flops
 
 
-@jax.jit
-def _zeros_like(leaves):
-    """Zeros shaped, placed and committed as a jitted function's outputs over ``leaves`` are
-    (an uncommitted input gives an uncommitted output: a jit cache key of its own)."""
-    return [jax.numpy.zeros_like(x) for x in leaves]
-
-
-def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True) -> MemoryReport:
-    """Compile ``nitro``'s first optimizer step ahead of time and report its memory per device.
-
-    ``scheds`` (the run's :class:`~jaxnitro.schedules.StepValues`) and ``scale`` are the
-    loop's, when it calls this; without them the same avals are rebuilt from the handle.
-    With ``refuse`` a step needing more than a known capacity raises :class:`WontFitError`.
-    """
-    plan, settings, state = nitro.plan, nitro.settings, nitro.state
-    dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
-    device = (dist.devices[0] if dist is not None else None) or jax.devices()[0]
-    p, s, o = state.leaves()
-    batch = _first_batch(nitro)
-    arrays = dict(
-        params=per_device_bytes(p, device), opt_state=per_device_bytes(o, device),
-        model_state=per_device_bytes(s, device),
-        batch=per_device_bytes({k: v for k, v in batch.items() if k not in (KEY_DATA, KEY_COUNT)}, device),
+def preflight(nitro, step, *, refuse: bool = True) -> MemoryReport:
+    """Compile ``step``'s programs (a :class:`jaxnitro.plugin.FirstStep` of ``nitro``) ahead of
+    time and report their memory per device. With ``refuse`` a step needing more than a known
+    capacity raises :class:`WontFitError`."""
+    settings, device = nitro.settings, step.device
+    common = dict(
+        device=f"{device.platform}:{device.id} {device.device_kind}", n_devices=step.n_devices,
+        capacity=step.capacity, params=per_device_bytes(step.params, device),
+        opt_state=per_device_bytes(step.opt_state, device), model_state=per_device_bytes(step.model_state, device),
+        batch=per_device_bytes(step.batch, device),
+        settings=dict(precision=settings.precision, remat=settings.remat, accum=settings.accum, batch=nitro.plan.width),
     )
-    shown = dict(precision=settings.precision, remat=settings.remat, accum=settings.accum, batch=plan.width)
-    n_devices = dist.n_devs if dist is not None else 1
-    capacity = device_capacity(device)
-    common = dict(device=f"{device.platform}:{device.id} {device.device_kind}", n_devices=n_devices,
-                  capacity=capacity, settings=shown, **arrays)
-    if settings.steps_per_dispatch != "auto" and settings.steps_per_dispatch > 1:  # "auto" starts at 1
-        note = "steps_per_dispatch > 1: the block program is compiled at its first dispatch"
-        return MemoryReport(temp=None, needed=None, flops_per_step=None, note=note, **common)
-    o_def = jax.tree_util.tree_structure(state.opt_state)
-    progs = plan.programs
-    step_prog = progs.train_step(plan.opt_spec, plan.tx, o_def)
-    hypers, own_scale = _hypers_and_scale(nitro, scheds)
-    scale = own_scale if scale is None else scale
-    dev = _dev_values(nitro, scheds)
-    acc, figures, names = None, [], []
-    if settings.accum > 1:
-        compiled = progs.accumulate().jitted.lower(p, s, dev, batch, None).compile()
-        temp, needed, flops = _stats(compiled)
-        figures.append((temp, needed, None if flops is None else flops * (settings.accum - 1)))
-        names.append("accumulate")
-        acc = _zeros_like(p)  # as accumulate returns them: its signature is the first train step's
-    compiled = step_prog.jitted.lower(p, s, o, dev, batch, acc, scale, hypers).compile()
-    figures.append(_stats(compiled))
-    names.append("train_step")
+    if not step.programs:
+        return MemoryReport(temp=None, needed=None, flops_per_step=None, note=step.note, **common)
+    figures = []
+    for prog in step.programs:
+        temp, needed, flops = _stats(prog.jitted.lower(*prog.args).compile())
+        figures.append((temp, needed, None if flops is None else flops * prog.runs))
     flops = None if any(f[2] is None for f in figures) else sum(f[2] for f in figures)
     report = MemoryReport(temp=max(f[0] for f in figures), needed=max(f[1] for f in figures),
-                          flops_per_step=flops, programs=tuple(names), **common)
+                          flops_per_step=flops, programs=tuple(p.name for p in step.programs), **common)
     if refuse and report.fits is False:
         raise WontFitError(_refusal(nitro, report))
     return report
@@ -266,5 +186,11 @@ def _refusal(nitro, r: MemoryReport) -> str:
     )
 
 
-# memory_report(experiment, **knobs), the verb that builds a handle for the preflight, is in
-# jaxnitro.handle (next to train): this module is below the handle.
+@hookimpl(trylast=True)
+def jaxnitro_preflight(nitro, step, refuse):
+    return preflight(nitro, step, refuse=refuse)
+
+
+@hookimpl
+def jaxnitro_exports():
+    return {"MemoryReport": MemoryReport, "WontFitError": WontFitError}
