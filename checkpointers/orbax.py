@@ -83,7 +83,16 @@ makes the loop wait for a save; the run's end waits for them all."""
 WRITE_SHARE = 0.05
 """``Checkpointer(min_interval="auto")``: the most of a run's time its checkpoint writes take
 (one orbax save costs ~30-60 ms of CPU whatever the state's size, more than a whole epoch of
-a small model on a small data set)."""
+a small model on a small data set). Counted in CPU time (see ``HELPER_CPU``), not wall time:
+a write that waits for a busy core or for the disk takes nothing from the loop, and on busy
+cores a write's wall time is many times its CPU time (measured: 2-4 s for ~0.1 s of CPU),
+which paced by wall time held most checkpoints back in memory (no resume point on disk)
+and left several to write while the run's end waited."""
+HELPER_CPU = 3.0
+"""The CPU time of one orbax save over its writer thread's own (``time.thread_time``):
+orbax's and tensorstore's helper threads, which start and end within the save, take about
+twice as much again (measured on the tutorial's state: 50 ms on the writer thread, 160 ms
+in the process)."""
 _EPOCH_END = "epoch_end"  # the orbax metric marking an epoch-end checkpoint (1.0) or a run's end (0.0)
 
 
@@ -210,8 +219,9 @@ class Checkpointer:
     ``min_interval``: seconds from the end of one burst of writes to the start of the next;
     the epochs that end meanwhile are held as device snapshots (those ``keep`` would delete
     anyway are dropped) and written together when it has passed, or at the run's end.
-    ``"auto"`` (the default) waits ``1 / WRITE_SHARE - 1`` times as long as the last burst
-    took, so writing takes at most ``WRITE_SHARE`` of the run's time; ``0`` writes each
+    ``"auto"`` (the default) waits ``1 / WRITE_SHARE - 1`` times the CPU time the last
+    burst took (its writer thread's, times ``HELPER_CPU``), so writing takes at most
+    ``WRITE_SHARE`` of the run's time on the cores, however long it waits for them; ``0`` writes each
     save as soon as the worker is free. What a run keeps at its end is the same either way.
     """
 
@@ -664,14 +674,14 @@ class _Saver:
                         self.working = False
                         self.lock.notify_all()
                         return
-                started = time.monotonic()
+                started = time.thread_time()  # this thread's CPU: not the waits for a core or the disk
                 for _ in range(burst):
                     with self.lock:
                         if not self.queue:  # pruned meanwhile
                             break
                         self.writing = self.queue.pop(0)
                     self._write_one()
-                took = time.monotonic() - started
+                took = (time.thread_time() - started) * HELPER_CPU  # the burst's CPU, helper threads included
                 gap = took * (1 / WRITE_SHARE - 1) if self.ckpt.min_interval == "auto" else self.ckpt.min_interval
                 with self.lock:
                     self.next_burst = time.monotonic() + gap
