@@ -587,7 +587,21 @@ class _Saver:
                 self.raise_failed()
             finally:
                 self.mgr.wait_until_finished()
-                self.mgr.close()
+                self._close()
+
+    def _close(self) -> None:
+        """Close the orbax manager: waits for its deleter thread; a deletion that failed there
+        (the first stops the rest) fails the run, naming the folder and what is on disk."""
+        try:
+            self.mgr.close()
+        except Exception as err:  # noqa: BLE001 - re-raised with what it means for the run
+            raise RuntimeError(
+                f"jaxnitro: deleting a checkpoint that `keep` no longer selects under {self.dir} failed: "
+                f"{type(err).__name__}: {err}. The run stops as 'failed'; every checkpoint it wrote is "
+                f"complete (the kept ones are steps {sorted(self.on_disk)}), and the folders of steps not "
+                f"among them are left over. Fix the folder's permissions (or the disk), delete those "
+                f"folders, and resume='auto' continues from the newest."
+            ) from err
 
     def raise_failed(self) -> None:
         """Re-raise the first failed save (a full disk, a permission error, a deleted run

@@ -260,3 +260,20 @@ def test_a_write_that_waits_without_cpu_holds_no_checkpoint_back(tmp_path, monke
     assert [w[0] for w in writes] == [3, 6, 9, 12, 15]
     assert [w[2] for w in writes[:-1]] == [False] * 4  # written while the run went on, not at its end
     assert all(loop_step > step for step, loop_step, _ in writes[:-1])  # the loop did not wait for them
+
+
+def test_a_deletion_that_fails_on_orbaxs_deleter_thread_fails_the_run(tmp_path, monkeypatch):
+    """Deletions run on orbax's deleter thread (``enable_background_delete``); one that fails
+    there fails the run at its end, naming the folder and the checkpoints kept."""
+    from orbax.checkpoint._src.path import deleter
+
+    def refuse(self, step):
+        raise PermissionError(f"[Errno 13] Permission denied: step {step}")
+
+    monkeypatch.setattr(deleter.StandardCheckpointDeleter, "delete", refuse)
+    with pytest.raises(RuntimeError, match=r"deleting a checkpoint that `keep` no longer selects under .*checkpoints "
+                                           r"failed: PermissionError.*kept ones are steps \[18\]"):
+        jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None,
+                 checkpointer=jn.Checkpointer(keep=jn.Last(1), min_interval=0))
+    (folder,) = os.listdir(tmp_path)
+    assert "18" in step_dirs(tmp_path / folder)  # the newest, complete; older ones left over
