@@ -88,11 +88,12 @@ a write that waits for a busy core or for the disk takes nothing from the loop, 
 cores a write's wall time is many times its CPU time (measured: 2-4 s for ~0.1 s of CPU),
 which paced by wall time held most checkpoints back in memory (no resume point on disk)
 and left several to write while the run's end waited."""
-HELPER_CPU = 3.0
+HELPER_CPU = 4.0
 """The CPU time of one orbax save over its writer thread's own (``time.thread_time``):
 orbax's and tensorstore's helper threads, which start and end within the save, take about
-twice as much again (measured on the tutorial's state: 50 ms on the writer thread, 160 ms
-in the process)."""
+three times as much again (measured on the tutorial's state: 50 ms on the writer thread,
+160 ms in the process, alone; in ``bench/checkpoint_steps.py`` ~40 ms on the writer thread
+against ~145 ms more process CPU per save)."""
 _EPOCH_END = "epoch_end"  # the orbax metric marking an epoch-end checkpoint (1.0) or a run's end (0.0)
 
 
