@@ -9,6 +9,13 @@ share ``(t_N - t_none) / t_N`` (goal: under 2% at N = 1,000). The whole ``train(
 timed, the wait for the last save at the run's end included; every run validates every
 N steps too, so only the checkpoints differ between the timed contenders.
 
+Beside the wall-time share (noisy on shared cores: other processes' load moves a run by more
+than the checkpoints cost), it prints the share of the process CPU time, and what the loop's
+own thread spends in the checkpointer (``loop ms``: its hooks at run start and at each step
+boundary, and the run's end waiting for the last writes, ``end ms``), with the checkpoints
+written and dropped unwritten (queued ones the keep policies would have deleted) per run.
+``--steps 3000 --repeats 1`` is a quick look; the issue's figure is ``--steps 11000``.
+
     python bench/checkpoint_steps.py [--steps 3000] [--every 100 1000] [--repeats 3] [--data-dir DIR]
 """
 
@@ -42,12 +49,45 @@ def fashion_data(folder: str) -> dict:
     return {"train": part(slice(0, 55_000), shuffle=True, drop_last=True, seed=0), "val": part(slice(55_000, None))}
 
 
-def timed(e, data, run_dir, steps: int, val_every: int, checkpointer) -> float:
+class LoopClock:
+    """Time the loop's thread spends in the checkpointer (``spent``: making the saver at the
+    run's start, its step-boundary hook; ``ending``: the run's end, waiting for the last
+    writes), and the saves written and dropped, summed over the runs since ``reset``."""
+
+    def __init__(self):
+        from jaxnitro.checkpointers import orbax as plugin  # noqa: PLC0415
+
+        self.reset()
+        for name in ("__init__", "step_boundary", "finish"):
+            setattr(plugin._Saver, name, self.timed(getattr(plugin._Saver, name), name))
+
+    def reset(self):
+        self.spent = self.ending = 0.0
+        self.written = self.dropped = 0
+
+    def timed(self, fn, name):
+        def wrapper(saver, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(saver, *args, **kwargs)
+            finally:
+                if name == "finish":
+                    self.ending += time.perf_counter() - t0
+                    self.written += saver.written
+                    self.dropped += saver.dropped
+                else:
+                    self.spent += time.perf_counter() - t0
+
+        return wrapper
+
+
+def timed(e, data, run_dir, steps: int, val_every: int, checkpointer) -> tuple[float, float]:
+    """``(wall s, process CPU s)`` of one ``train()``."""
     n = jn.Nitro(e, data=data, run_dir=run_dir, logger=None, early_stop=None, max_steps=steps, max_epochs=None,
                  val_every_n_steps=val_every, checkpointer=checkpointer)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n.train()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv=None) -> None:
@@ -59,21 +99,33 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     data = fashion_data(a.data_dir) if a.data_dir else full_size_data()
     e = MnistMLP()
+    clock = LoopClock()
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.every:  # compile and warm every program (and orbax) once, untimed
             timed(e, data, f"{tmp}/warm", min(a.steps, 2 * n), n, jn.Checkpointer(every_n_steps=n))
         rows = {n: {"none": [], "ckpt": []} for n in a.every}
+        loop = {n: [0.0, 0.0, 0, 0] for n in a.every}  # spent, ending, written, dropped: summed over the repeats
         for r in range(a.repeats):
             for n in a.every:
                 rows[n]["none"].append(timed(e, data, f"{tmp}/{r}-{n}-none", a.steps, n, None))
                 ckpt = jn.Checkpointer(every_n_steps=n, keep=(jn.Best(2), jn.Last(1)))
+                clock.reset()
                 rows[n]["ckpt"].append(timed(e, data, f"{tmp}/{r}-{n}-ckpt", a.steps, n, ckpt))
+                for i, got in enumerate((clock.spent, clock.ending, clock.written, clock.dropped)):
+                    loop[n][i] += got
     print(f"{a.steps} optimizer steps, {'IDX files in ' + a.data_dir if a.data_dir else '55,000 synthetic images'}; "
           f"medians of {a.repeats} interleaved runs")
-    print(f"{'every N':>8} | {'no ckpt s':>9} | {'ckpt s':>7} | {'saves':>5} | share")
+    print(f"{'every N':>8} | {'no ckpt s':>9} | {'ckpt s':>7} | {'saves':>5} | {'written':>7} | {'dropped':>7} | "
+          f"{'share':>6} | {'CPU share':>9} | {'loop ms':>7} | {'end ms':>6} | loop share")
     for n in a.every:
-        none, ckpt = statistics.median(rows[n]["none"]), statistics.median(rows[n]["ckpt"])
-        print(f"{n:>8} | {none:>9.3f} | {ckpt:>7.3f} | {a.steps // n:>5} | {(ckpt - none) / ckpt:6.1%}")
+        none = statistics.median(w for w, _ in rows[n]["none"])
+        ckpt = statistics.median(w for w, _ in rows[n]["ckpt"])
+        none_cpu = statistics.median(c for _, c in rows[n]["none"])
+        ckpt_cpu = statistics.median(c for _, c in rows[n]["ckpt"])
+        spent, ending, written, dropped = (x / a.repeats for x in loop[n])
+        print(f"{n:>8} | {none:>9.3f} | {ckpt:>7.3f} | {a.steps // n:>5} | {written:>7.1f} | {dropped:>7.1f} | "
+              f"{(ckpt - none) / ckpt:6.1%} | {(ckpt_cpu - none_cpu) / ckpt_cpu:9.1%} | {spent * 1e3:>7.0f} | "
+              f"{ending * 1e3:>6.0f} | {(spent + ending) / ckpt:6.2%}")
 
 
 if __name__ == "__main__":

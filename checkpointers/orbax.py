@@ -83,7 +83,17 @@ makes the loop wait for a save; the run's end waits for them all."""
 WRITE_SHARE = 0.05
 """``Checkpointer(min_interval="auto")``: the most of a run's time its checkpoint writes take
 (one orbax save costs ~30-60 ms of CPU whatever the state's size, more than a whole epoch of
-a small model on a small data set)."""
+a small model on a small data set). Counted in CPU time (see ``HELPER_CPU``), not wall time:
+a write that waits for a busy core or for the disk takes nothing from the loop, and on busy
+cores a write's wall time is many times its CPU time (measured: 2-4 s for ~0.1 s of CPU),
+which paced by wall time held most checkpoints back in memory (no resume point on disk)
+and left several to write while the run's end waited."""
+HELPER_CPU = 4.0
+"""The CPU time of one orbax save over its writer thread's own (``time.thread_time``):
+orbax's and tensorstore's helper threads, which start and end within the save, take about
+three times as much again (measured on the tutorial's state: 50 ms on the writer thread,
+160 ms in the process, alone; in ``bench/checkpoint_steps.py`` ~40 ms on the writer thread
+against ~145 ms more process CPU per save)."""
 _EPOCH_END = "epoch_end"  # the orbax metric marking an epoch-end checkpoint (1.0) or a run's end (0.0)
 
 
@@ -210,8 +220,9 @@ class Checkpointer:
     ``min_interval``: seconds from the end of one burst of writes to the start of the next;
     the epochs that end meanwhile are held as device snapshots (those ``keep`` would delete
     anyway are dropped) and written together when it has passed, or at the run's end.
-    ``"auto"`` (the default) waits ``1 / WRITE_SHARE - 1`` times as long as the last burst
-    took, so writing takes at most ``WRITE_SHARE`` of the run's time; ``0`` writes each
+    ``"auto"`` (the default) waits ``1 / WRITE_SHARE - 1`` times the CPU time the last
+    burst took (its writer thread's, times ``HELPER_CPU``), so writing takes at most
+    ``WRITE_SHARE`` of the run's time on the cores, however long it waits for them; ``0`` writes each
     save as soon as the worker is free. What a run keeps at its end is the same either way.
     """
 
@@ -487,11 +498,17 @@ class _Saver:
             exists = dist.from_main(exists)
         known = _recorded_metrics(self.dir, self.monitor) if exists else {}  # a continued run folder's
         self.policy = _policy(ckpt.policies(self.monitor, self.validated), self.monitor, known)
+        single = not (dist is not None and dist.multi_process)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self.policy,
             enable_async_checkpointing=False,  # the worker thread is the asynchrony (fewer threads, less CPU)
             cleanup_tmp_directories=True,  # what a killed save left behind in a continued run folder
             create=True,
+            # deleting what `keep` no longer selects (about half a save's wall time) on orbax's
+            # deleter thread, after the newer checkpoint is complete: the next write starts at
+            # once; `close` (the run's end) waits for it. One process only: several keep their
+            # deletions in step with the saves.
+            enable_background_delete=single,
         )
         self.mgr = ocp.CheckpointManager(self.dir, options=options)
         self.start_step = nitro.step
@@ -571,7 +588,21 @@ class _Saver:
                 self.raise_failed()
             finally:
                 self.mgr.wait_until_finished()
-                self.mgr.close()
+                self._close()
+
+    def _close(self) -> None:
+        """Close the orbax manager: waits for its deleter thread; a deletion that failed there
+        (the first stops the rest) fails the run, naming the folder and what is on disk."""
+        try:
+            self.mgr.close()
+        except Exception as err:  # noqa: BLE001 - re-raised with what it means for the run
+            raise RuntimeError(
+                f"jaxnitro: deleting a checkpoint that `keep` no longer selects under {self.dir} failed: "
+                f"{type(err).__name__}: {err}. The run stops as 'failed'; every checkpoint it wrote is "
+                f"complete (the kept ones are steps {sorted(self.on_disk)}), and the folders of steps not "
+                f"among them are left over. Fix the folder's permissions (or the disk), delete those "
+                f"folders, and resume='auto' continues from the newest."
+            ) from err
 
     def raise_failed(self) -> None:
         """Re-raise the first failed save (a full disk, a permission error, a deleted run
@@ -664,14 +695,14 @@ class _Saver:
                         self.working = False
                         self.lock.notify_all()
                         return
-                started = time.monotonic()
+                started = time.thread_time()  # this thread's CPU: not the waits for a core or the disk
                 for _ in range(burst):
                     with self.lock:
                         if not self.queue:  # pruned meanwhile
                             break
                         self.writing = self.queue.pop(0)
                     self._write_one()
-                took = time.monotonic() - started
+                took = (time.thread_time() - started) * HELPER_CPU  # the burst's CPU, helper threads included
                 gap = took * (1 / WRITE_SHARE - 1) if self.ckpt.min_interval == "auto" else self.ckpt.min_interval
                 with self.lock:
                     self.next_burst = time.monotonic() + gap

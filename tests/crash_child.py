@@ -1,10 +1,11 @@
 """A training process that kills itself with SIGKILL (used by test_checkpoint_crash.py).
 
-``python crash_child.py <run_dir> mid-epoch|mid-save`` trains :class:`Crashed` for 4 epochs
+``python crash_child.py <run_dir> mid-epoch|mid-save|mid-save-steps`` trains :class:`Crashed` for 4 epochs
 with the checkpointer on, and dies (no cleanup, no finish) either while reading the 4th
 batch of epoch 3, or in the middle of the first save after epoch 1's (while orbax writes its
 record into the checkpoint's temporary folder; with ``Last(1)`` a save that falls behind the
-epochs is dropped for a newer one, so which epoch that is depends on timing). The class lives here so that the test process and the child agree on it.
+epochs is dropped for a newer one, so which epoch that is depends on timing); ``mid-save-steps``
+is ``mid-save`` with checkpoints every 4 optimizer steps, dying in the first save after step 4's. The class lives here so that the test process and the child agree on it.
 """
 
 from __future__ import annotations
@@ -54,24 +55,28 @@ def data(at=None):
     return {"train": KillingSource(d["train"], at), "val": d["val"]}
 
 
-def checkpointer():
+def checkpointer(how: str = ""):
+    """Every epoch; ``mid-save-steps``: every 4 optimizer steps (6 an epoch: mid-epoch ones too)."""
+    if how == "mid-save-steps":
+        return jn.Checkpointer(every_n_steps=4, keep=jn.Last(*KEEP))
     return jn.Checkpointer(keep=jn.Last(*KEEP))
 
 
 def main(run_dir: str, how: str) -> None:
     at = (3, 3) if how == "mid-epoch" else None  # the 4th batch of epoch 3
-    if how == "mid-save":
+    first = 4 if how == "mid-save-steps" else 6
+    if how.startswith("mid-save"):
         import orbax.checkpoint as ocp
 
         save = ocp.JsonCheckpointHandler.async_save
 
         async def die_while_saving(self, directory, item=None, args=None):
-            if args is not None and args.item.get("step") != 6:  # the second save's record, in its temporary folder
+            if args is not None and args.item.get("step") != first:  # the second save's record, in its temporary folder
                 os.kill(os.getpid(), signal.SIGKILL)
             return await save(self, directory, item, args)
 
         ocp.JsonCheckpointHandler.async_save = die_while_saving
-    jn.train(Crashed(), data=data(at), run_dir=run_dir, max_epochs=4, checkpointer=checkpointer())
+    jn.train(Crashed(), data=data(at), run_dir=run_dir, max_epochs=4, checkpointer=checkpointer(how))
 
 
 if __name__ == "__main__":

@@ -203,22 +203,77 @@ def test_min_interval_keeps_what_every_epoch_saves_keep(tmp_path, keep):
     assert step_dirs(held.run_dir) == step_dirs(every.run_dir)
 
 
-def test_auto_interval_writes_at_most_a_twentieth_of_the_time(tmp_path, monkeypatch):
-    writes = []  # (step, start, end, at the run's end)
+def burn(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_auto_interval_writes_at_most_a_twentieth_of_the_cpu_time(tmp_path, monkeypatch):
+    writes = []  # (step, start, end, CPU seconds of the writer thread, at the run's end)
     write = plugin._Saver.write
 
     def slow(self, item):
-        start = time.monotonic()
-        time.sleep(0.05)
+        start, cpu = time.monotonic(), time.thread_time()
+        burn(0.05)
         write(self, item)
-        writes.append((item.step, start, time.monotonic(), self.finishing))
+        writes.append((item.step, start, time.monotonic(), time.thread_time() - cpu, self.finishing))
 
     monkeypatch.setattr(plugin._Saver, "write", slow)
     with run_scoped([SlowEpochs()]):
         n = jn.train(Ranked(), run_dir=tmp_path, max_epochs=10, logger=None,
                      checkpointer=jn.Checkpointer(keep=jn.Last(1)))
     assert writes[0][0] == 6 and step_dirs(n.run_dir) == ["60"]
-    assert len(writes) <= 4  # a write takes >= 0.05 s: the next waits >= 0.95 s, in a run of ~1.5 s
-    for (_, start, end, _), (_, after, _, at_end) in zip(writes, writes[1:]):
+    # a write takes >= 0.05 s of CPU, counted HELPER_CPU (4) times: the next waits >= 3.8 s, in a run of ~1.5 s
+    assert len(writes) <= 4
+    factor = plugin.HELPER_CPU * (1 / plugin.WRITE_SHARE - 1)
+    for (_, _, end, cpu, _), (_, after, _, _, at_end) in zip(writes, writes[1:]):
         if not at_end:
-            assert after - end >= (end - start) * (1 / plugin.WRITE_SHARE - 1) * 0.999
+            assert after - end >= cpu * factor * 0.999
+
+
+class StepPause:
+    """The loop takes 0.3 s at each step boundary (before the checkpointer's hook: it is
+    ``trylast``), and records the published step there."""
+
+    @jn.hookimpl
+    def jaxnitro_step_boundary(self, run, step, epoch):
+        time.sleep(0.3)
+
+
+def test_a_write_that_waits_without_cpu_holds_no_checkpoint_back(tmp_path, monkeypatch):
+    """A write's wall time on busy cores or a slow disk is no cost to the loop: "auto" paces
+    by CPU time, so every-N-step saves whose writes only wait are each written while the
+    loop goes on (none held back to the run's end, where the end would wait for them and a
+    kill would lose them), and the loop steps on while a save is in flight."""
+    writes = []  # (step, the loop's published step when the write ended, at the run's end)
+
+    def waits(self, item):  # 0.2 s of waiting, no CPU: a slow disk, or a core busy elsewhere
+        time.sleep(0.2)
+        writes.append((item.step, int(self.run.nitro.state.step), self.finishing))
+
+    monkeypatch.setattr(plugin._Saver, "write", waits)
+    with run_scoped([StepPause()]):
+        jn.train(Ranked(), run_dir=tmp_path, max_epochs=None, max_steps=15, logger=None,
+                 checkpointer=jn.Checkpointer(every_n_steps=3, keep=jn.Last(10)))
+    assert [w[0] for w in writes] == [3, 6, 9, 12, 15]
+    assert [w[2] for w in writes[:-1]] == [False] * 4  # written while the run went on, not at its end
+    assert all(loop_step > step for step, loop_step, _ in writes[:-1])  # the loop did not wait for them
+
+
+def test_a_deletion_that_fails_on_orbaxs_deleter_thread_fails_the_run(tmp_path, monkeypatch):
+    """Deletions run on orbax's deleter thread (``enable_background_delete``); one that fails
+    there fails the run at its end, naming the folder and the checkpoints kept."""
+    from orbax.checkpoint._src.path import deleter
+
+    def refuse(self, step):
+        raise PermissionError(f"[Errno 13] Permission denied: step {step}")
+
+    monkeypatch.setattr(deleter.StandardCheckpointDeleter, "delete", refuse)
+    with pytest.raises(RuntimeError, match=r"deleting a checkpoint that `keep` no longer selects under .*checkpoints "
+                                           r"failed: PermissionError.*kept ones are steps \[18\]"):
+        jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None,
+                 checkpointer=jn.Checkpointer(keep=jn.Last(1), min_interval=0))
+    (folder,) = os.listdir(tmp_path)
+    assert "18" in step_dirs(tmp_path / folder)  # the newest, complete; older ones left over
