@@ -183,6 +183,7 @@ def test_max_epochs_null_leaves_a_step_budget_alone_and_remat_takes_a_policy_nam
               prog_words=["jaxnitro"])
     out, _ = capsys.readouterr()
     assert rc == 0, out
+    assert "done: step 9/9, epoch 2" in out  # the budget the run had, not `epoch 2/None`
     (run,) = [p for p in run_dir.iterdir() if p.is_dir()]
     steps = [line["step"] for line in jn.read_jsonl(run / "metrics.jsonl") if line.get("context") == "train"]
     assert max(steps) == 9

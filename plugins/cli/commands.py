@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .arguments import CommandLineError, build_parser, config_yaml, load_class, parse
-from .interrupt import on_interrupt, program_words
+from .interrupt import on_interrupt, position, program_words
 from .runs_table import format_runs, read_runs
 
 __all__ = ["main", "train_options", "weights_spec", "run_train", "COMMANDS"]
@@ -152,7 +152,7 @@ def _train(inv, prog_words, argv) -> int:
     nitro = run_train(inv, prog_words, argv)
     monitor = nitro.settings.monitor
     best = nitro.history().best if monitor and len(nitro.history()) else None
-    print(f"{nitro.status}: epoch {nitro.epoch}/{nitro.settings.max_epochs}, {nitro.step:,} optimizer steps"
+    print(f"{nitro.status}: {position(nitro, done=True)}"
           + (f"; {nitro.stop_reason}" if nitro.stop_reason else ""))
     if best is not None:
         print(f"best: epoch {best['epoch']}, {monitor[0]} {best[monitor[0]]:.4g}")

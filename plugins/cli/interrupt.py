@@ -43,6 +43,18 @@ def continue_command(prog: list[str], argv: list[str], *, resume: bool = True) -
     return shlex.join([*prog, *args])
 
 
+def position(nitro, *, done: bool = False) -> str:
+    """Where a run stands against its budget: ``step 1,200/3,000, epoch 2`` for a step budget
+    without an epoch one; else ``step 1,200, epoch 2/10`` (``done``: ``epoch 10/10, 2,000
+    optimizer steps``)."""
+    s = nitro.settings
+    if s.max_epochs is None and s.max_steps is not None:
+        return f"step {nitro.step:,}/{s.max_steps:,}, epoch {nitro.epoch}"
+    if done:
+        return f"epoch {nitro.epoch}/{s.max_epochs}, {nitro.step:,} optimizer steps"
+    return f"step {nitro.step:,}, epoch {nitro.epoch}/{s.max_epochs}"
+
+
 def interrupt_line(nitro, prog: list[str], argv: list[str], *, training: bool = True) -> str:
     """The one line printed after Ctrl-C (see the module docstring); ``training=False`` (evaluate,
     predict): the command to run again."""
@@ -50,7 +62,7 @@ def interrupt_line(nitro, prog: list[str], argv: list[str], *, training: bool = 
         return f"interrupted; run again with: {continue_command(prog, argv, resume=False)}"
     if nitro is None or nitro.status == "ready":
         return f"interrupted before training started; run again with: {continue_command(prog, argv, resume=False)}"
-    where = f"interrupted at step {nitro.step:,}, epoch {nitro.epoch}/{nitro.settings.max_epochs}"
+    where = f"interrupted at {position(nitro)}"
     if getattr(nitro.settings, "checkpointer", None) is None:
         return (f"{where}; no checkpoint to continue from (the experiment keeps none: set a "
                 f"checkpointer); run again with: {continue_command(prog, argv, resume=False)}")
