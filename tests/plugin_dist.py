@@ -44,3 +44,12 @@ def installed(site: Path, module: str):
             del sys.modules[name]
         importlib.invalidate_caches()
         jn.reload_plugins()
+
+
+@contextlib.contextmanager
+def installed_plugin(site: Path, *, module: str, source: str, dist: str, entry: str, version: str = "0.1"):
+    """A third-party plugin ``module`` written as an installed distribution under ``site``,
+    found through its entry point, imported and yielded; uninstalled on the way out."""
+    write_distribution(site, module=module, source=source, dist=dist, entry=entry, version=version)
+    with installed(site, module):
+        yield importlib.import_module(module)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from plugin_dist import installed, write_distribution
+from plugin_dist import installed_plugin
 from tiny import Tiny, tiny_data
 
 DATA = tiny_data()
@@ -53,11 +53,8 @@ THIRD_PARTY = textwrap.dedent(
 
 @pytest.fixture
 def exporter(tmp_path):
-    site = write_distribution(tmp_path / "site", module="jaxnitro_exporter_testplugin", source=THIRD_PARTY,
-                              dist="jaxnitro-exporter-test", entry="exporter_test", version="1.5")
-    with installed(site, "jaxnitro_exporter_testplugin"):
-        import jaxnitro_exporter_testplugin as plugin
-
+    with installed_plugin(tmp_path / "site", module="jaxnitro_exporter_testplugin", source=THIRD_PARTY,
+                          dist="jaxnitro-exporter-test", entry="exporter_test", version="1.5") as plugin:
         yield plugin
 
 

@@ -18,7 +18,7 @@ import jaxnitro as jn
 import jaxnitro.plugin as P
 from jaxnitro.events import run_scoped
 from jaxnitro.plugin_manager import plugin_manager
-from plugin_dist import installed, write_distribution
+from plugin_dist import installed_plugin
 from tiny import Tiny, tiny_data
 
 NAMER = textwrap.dedent(
@@ -48,11 +48,8 @@ NAMER = textwrap.dedent(
 
 @pytest.fixture
 def namer(tmp_path):
-    site = write_distribution(tmp_path / "site", module="jaxnitro_folder_testplugin", source=NAMER,
-                              dist="jaxnitro-folder-test", entry="folder_test", version="1.5")
-    with installed(site, "jaxnitro_folder_testplugin"):
-        import jaxnitro_folder_testplugin as plugin
-
+    with installed_plugin(tmp_path / "site", module="jaxnitro_folder_testplugin", source=NAMER,
+                          dist="jaxnitro-folder-test", entry="folder_test", version="1.5") as plugin:
         yield plugin
 
 
@@ -93,17 +90,6 @@ def test_a_run_folder_answer_that_is_no_folder_is_refused(tmp_path):
             jn.train(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, logger=None)
     finally:
         pm.unregister(plugin)
-
-
-@pytest.fixture
-def disabled(monkeypatch):
-    def disable(*names):
-        monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", ",".join(names))
-        jn.reload_plugins()
-
-    yield disable
-    monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS")
-    jn.reload_plugins()
 
 
 def test_without_a_run_folder_plugin_train_is_refused_naming_the_hook(tmp_path, disabled):
@@ -154,11 +140,8 @@ LOCKER = textwrap.dedent(
 
 @pytest.fixture
 def locker(tmp_path):
-    site = write_distribution(tmp_path / "site", module="jaxnitro_lock_testplugin", source=LOCKER,
-                              dist="jaxnitro-lock-test", entry="lock_test", version="2.0")
-    with installed(site, "jaxnitro_lock_testplugin"):
-        import jaxnitro_lock_testplugin as plugin
-
+    with installed_plugin(tmp_path / "site", module="jaxnitro_lock_testplugin", source=LOCKER,
+                          dist="jaxnitro-lock-test", entry="lock_test", version="2.0") as plugin:
         yield plugin
 
 

@@ -14,7 +14,7 @@ import pytest
 import jaxnitro as jn
 import jaxnitro.plugin as P
 from jaxnitro import hookcalls
-from plugin_dist import installed, write_distribution
+from plugin_dist import installed_plugin
 from tiny import Tiny, make_arrays, tiny_data
 
 THIRD_PARTY = textwrap.dedent(
@@ -74,11 +74,8 @@ THIRD_PARTY = textwrap.dedent(
 
 @pytest.fixture
 def third_party(tmp_path):
-    site = write_distribution(tmp_path / "site", module="jaxnitro_prefetch_testplugin", source=THIRD_PARTY,
-                              dist="jaxnitro-prefetch-test", entry="prefetch_test", version="1.0")
-    with installed(site, "jaxnitro_prefetch_testplugin"):
-        import jaxnitro_prefetch_testplugin as plugin
-
+    with installed_plugin(tmp_path / "site", module="jaxnitro_prefetch_testplugin", source=THIRD_PARTY,
+                          dist="jaxnitro-prefetch-test", entry="prefetch_test", version="1.0") as plugin:
         yield plugin
 
 

@@ -18,19 +18,8 @@ import numpy as np
 import pytest
 
 import jaxnitro as jn
-from plugin_dist import installed, write_distribution
+from plugin_dist import installed_plugin
 from tiny import fresh_tiny
-
-
-@pytest.fixture
-def disabled(monkeypatch):
-    def disable(*names):
-        monkeypatch.setenv("JAXNITRO_DISABLE_PLUGINS", ",".join(names))
-        jn.reload_plugins()
-
-    yield disable
-    monkeypatch.delenv("JAXNITRO_DISABLE_PLUGINS")
-    jn.reload_plugins()
 
 
 def contexts(n) -> list[str]:
@@ -98,11 +87,8 @@ PREFLIGHT = textwrap.dedent('''
 
 
 def test_a_third_party_preflight_replaces_the_built_in(tmp_path):
-    site = write_distribution(tmp_path / "site", module="jaxnitro_preflight_testplugin", source=PREFLIGHT,
-                              dist="jaxnitro-preflight-test", entry="preflight_test")
-    with installed(site, "jaxnitro_preflight_testplugin"):
-        import jaxnitro_preflight_testplugin as plugin
-
+    with installed_plugin(tmp_path / "site", module="jaxnitro_preflight_testplugin", source=PREFLIGHT,
+                          dist="jaxnitro-preflight-test", entry="preflight_test") as plugin:
         E = fresh_tiny()
         report = jn.memory_report(E(), accum=2)
         assert type(report).__name__ == "Report" and report.programs == ("accumulate", "train_step")

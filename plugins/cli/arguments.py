@@ -18,8 +18,8 @@ Rules:
   None instead and the field keeps its default.
 * A knob the command line does not set is left to the experiment (its method, its
   field, the framework's default), exactly as ``jn.Nitro(e)`` resolves it. A knob
-  whose default is a bool takes a bool, an int or float knob that type or null, ``remat`` a
-  bool or a policy name; any other knob takes a
+  whose default is a bool, int or float takes that type (``max_epochs`` also ``null``,
+  ``remat`` also a policy name); any other knob takes a
   YAML value (``--n_devs 2``, ``--logger tensorboard``, ``--early_stop null`` to
   switch a plugin knob off).
 """
@@ -353,21 +353,18 @@ def _takes_none(tp) -> bool:
     return tp is Any or tp is type(None) or type(None) in typing.get_args(tp)
 
 
-_KNOB_TYPES = {"remat": bool | str}
-"""Knobs whose values go beyond their default's type (``--remat dots_saveable``)."""
+_KNOB_TYPES = {"remat": bool | str, "max_epochs": int | None}
+"""Knobs whose values go beyond their default's type (``--remat dots_saveable``,
+``--max_epochs null``: no epoch bound, for a run bounded by ``--max_steps``)."""
 
 
 def _knob_type(name: str):
-    """The command-line type of run knob ``name``: an int or float knob also takes ``null``
-    (``--max_epochs null``: no epoch bound), a bool knob is a bool, any other a YAML value."""
+    """The command-line type of run knob ``name``: a bool, int or float knob takes its
+    default's type (or what :data:`_KNOB_TYPES` says), any other a YAML value."""
     if name in _KNOB_TYPES:
         return _KNOB_TYPES[name]
     plain = KNOB_DEFAULTS[name]
-    if type(plain) is bool:
-        return bool
-    if type(plain) in (int, float):
-        return type(plain) | None
-    return Any
+    return type(plain) if type(plain) in (bool, int, float) else Any
 
 
 def _help_formatter():
