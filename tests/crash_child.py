@@ -2,7 +2,7 @@
 
 ``python crash_child.py <run_dir> mid-epoch|mid-save|mid-save-steps`` trains :class:`Crashed` for 4 epochs
 with the checkpointer on, and dies (no cleanup, no finish) either while reading the 4th
-batch of epoch 3, or in the middle of the first save after epoch 1's (while orbax writes its
+batch of epoch 3 (once a checkpoint is complete), or in the middle of the first save after epoch 1's (while orbax writes its
 record into the checkpoint's temporary folder; with ``Last(1)`` a save that falls behind the
 epochs is dropped for a newer one, so which epoch that is depends on timing); ``mid-save-steps``
 is ``mid-save`` with checkpoints every 4 optimizer steps, dying in the first save after step 4's. The class lives here so that the test process and the child agree on it.
@@ -10,6 +10,7 @@ is ``mid-save`` with checkpoints every 4 optimizer steps, dying in the first sav
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import sys
@@ -30,8 +31,8 @@ class Crashed(Tiny):
 class KillingSource:
     """The train split, index-addressable; SIGKILLs the process at (epoch, batch) ``at``."""
 
-    def __init__(self, batches, at=None):
-        self.batches, self.at, self.epoch = batches, at, 0
+    def __init__(self, batches, at=None, run_dir=None):
+        self.batches, self.at, self.epoch, self.run_dir = batches, at, 0, run_dir
 
     def __len__(self):
         return len(self.batches)
@@ -44,15 +45,28 @@ class KillingSource:
 
     def batch_at(self, i):
         if self.at == (self.epoch, i):
+            self._wait_for_a_checkpoint()
             os.kill(os.getpid(), signal.SIGKILL)
         if self.at is not None:
             time.sleep(0.03)  # epochs long enough for the previous epoch's save to complete
         return self.batches[i]
 
 
-def data(at=None):
+    def _wait_for_a_checkpoint(self, timeout: float = 60.0) -> None:
+        """Until one checkpoint is complete (a step folder, not orbax's temporary one): on
+        loaded cores the first save can still be in flight this far into epoch 3, and the
+        test is about a kill mid-epoch after a save, not about how fast a save is."""
+        deadline = time.monotonic() + timeout
+        while self.run_dir is not None and time.monotonic() < deadline:
+            folders = glob.glob(os.path.join(self.run_dir, "*", "checkpoints", "*"))
+            if any(os.path.basename(f).isdigit() for f in folders):
+                return
+            time.sleep(0.01)
+
+
+def data(at=None, run_dir=None):
     d = tiny_data()
-    return {"train": KillingSource(d["train"], at), "val": d["val"]}
+    return {"train": KillingSource(d["train"], at, run_dir), "val": d["val"]}
 
 
 def checkpointer(how: str = ""):
@@ -76,7 +90,7 @@ def main(run_dir: str, how: str) -> None:
             return await save(self, directory, item, args)
 
         ocp.JsonCheckpointHandler.async_save = die_while_saving
-    jn.train(Crashed(), data=data(at), run_dir=run_dir, max_epochs=4, checkpointer=checkpointer(how))
+    jn.train(Crashed(), data=data(at, run_dir), run_dir=run_dir, max_epochs=4, checkpointer=checkpointer(how))
 
 
 if __name__ == "__main__":
