@@ -86,6 +86,86 @@ def bind_schedules(schedules, device_fields: dict, groups) -> Bindings:
     known = tuple(dict.fromkeys([*HYPERS, *(h for hs in groups.values() for h in hs)]))
     if not isinstance(schedules, dict):
         raise TypeError(f"jaxnitro: `schedules` must be a dict of key -> factory, got {type(schedules).__name__}.")
+    for key, value in schedules.items():
+        if key == "opt":
+            _bind_opt(b, value, groups, known)
+        elif key == "device":
+            _bind_device(b, value, device_fields)
+        else:
+            in_opt, in_dev = key in known, key in device_fields
+            if in_opt and in_dev:
+                raise KeyError(
+                    f"jaxnitro: schedule key `{key}` is ambiguous: it names both an optimizer "
+                    f"hyperparameter and a Device field. Say which: "
+                    f"{{'opt': {{'{key}': ...}}}} or {{'device': {{'{key}': ...}}}}."
+                )
+            if in_opt:
+                _bind_every_group(b, groups, key, value, key)
+            elif in_dev:
+                b.device[key] = _check_factory(key, value)
+            else:
+                raise KeyError(
+                    f"jaxnitro: unknown schedule key `{key}`. Schedulable: optimizer hyperparameters "
+                    f"by the rule's own name ({_hyper_list(known)}), Device fields "
+                    f"({', '.join(device_fields) or 'none'}), or the qualified forms "
+                    f"{{'opt': {{...}}}} / {{'device': {{...}}}}."
+                )
+    return b
+
+
+def _bind_every_group(b: Bindings, groups: dict, key: str, value, label: str) -> None:
+    """A bare optimizer key (``learning_rate``, ``opt/b1``): it binds every group, so every
+    group's rule must have it; refused naming the groups that lack it and the group-path fix."""
+    lacking = [g for g, hs in groups.items() if key not in hs]
+    if lacking and len(lacking) < len(groups):
+        having = next(g for g in groups if g not in lacking)
+        raise KeyError(
+            f"jaxnitro: schedule `{label}` binds every parameter group, but the rule of group(s) "
+            f"{', '.join(f'`{g}`' for g in lacking)} has no hyperparameter `{key}` (theirs: "
+            f"{_hyper_list(groups[lacking[0]])}). Schedule it for the groups whose rule has it: "
+            f"{{'opt': {{'{having}': {{'{key}': ...}}}}}}."
+        )
+    b.opt[(None, key)] = _check_factory(label, value)
+
+
+def _bind_opt(b: Bindings, value, groups: dict, known: tuple) -> None:
+    """``schedules["opt"]``: ``{hyper: f}`` for every group, ``{group: {hyper: f}}`` for one."""
+    if not isinstance(value, dict):
+        raise TypeError("jaxnitro: schedules['opt'] must be a dict: {'learning_rate': f, 'group': {...}}.")
+    for k, v in value.items():
+        if k in groups and isinstance(v, dict):
+            for h, f in v.items():
+                if h not in groups[k]:
+                    raise KeyError(
+                        f"jaxnitro: schedule `opt/{k}/{h}`: unknown optimizer hyperparameter "
+                        f"`{h}` for group `{k}`; schedulable for its rule: {_hyper_list(groups[k])}."
+                    )
+                b.opt[(k, h)] = _check_factory(f"opt/{k}/{h}", f)
+        elif k in known:
+            _bind_every_group(b, groups, k, v, f"opt/{k}")
+        else:
+            raise KeyError(
+                f"jaxnitro: schedule `opt/{k}` names neither an optimizer hyperparameter "
+                f"({_hyper_list(known)}) nor a parameter group ({', '.join(groups)})."
+            )
+
+
+def _bind_device(b: Bindings, value, device_fields: dict) -> None:
+    """``schedules["device"]``: ``{Device field: f}``."""
+    if not isinstance(value, dict):
+        raise TypeError("jaxnitro: schedules['device'] must be a dict: {'field': f}.")
+    for k, v in value.items():
+        if k not in device_fields:
+            raise KeyError(
+                f"jaxnitro: schedule `device/{k}`: `{k}` is not a Device field; Device "
+                f"fields: {', '.join(device_fields) or '(none)'}."
+            )
+        b.device[k] = _check_factory(f"device/{k}", v)
+    if not isinstance(groups, dict):
+        groups = {g: HYPERS for g in groups}
+    known = tuple(dict.fromkeys([*HYPERS, *(h for hs in groups.values() for h in hs)]))
+    if not isinstance(schedules, dict):
+        raise TypeError(f"jaxnitro: `schedules` must be a dict of key -> factory, got {type(schedules).__name__}.")
 
     def bare_opt(key: str, value, label: str) -> None:
         lacking = [g for g, hs in groups.items() if key not in hs]
