@@ -61,15 +61,15 @@ def timed_train(e, data, run_dir, checkpointer) -> tuple[float, float]:
 
 
 class HookClock:
-    """Time the loop thread spends in the checkpointer's hooks (``spent``) and in the run's
-    end (``ending``: the wait for the last saves); saves written and dropped."""
+    """Time the loop thread spends in the checkpointer's ``methods`` (``spent``) and in the
+    run's end (``ending``: ``finish``, the wait for the last saves); saves written and dropped."""
 
-    def __init__(self):
+    def __init__(self, methods=("epoch_trained", "epoch_end", "finish")):
         from jaxnitro.checkpointers import orbax as plugin
 
         self.plugin, self.saved = plugin, {}
         self.reset()
-        for name in ("epoch_trained", "epoch_end", "finish"):
+        for name in methods:
             self.saved[name] = getattr(plugin._Saver, name)
             setattr(plugin._Saver, name, self.timed(self.saved[name]))
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "examples" / "mnist"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import jaxnitro as jn  # noqa: E402
-from checkpoint import full_size_data  # noqa: E402
+from checkpoint import HookClock, full_size_data  # noqa: E402
 from mnist_tutorial import MnistMLP  # noqa: E402
 
 
@@ -49,36 +49,10 @@ def fashion_data(folder: str) -> dict:
     return {"train": part(slice(0, 55_000), shuffle=True, drop_last=True, seed=0), "val": part(slice(55_000, None))}
 
 
-class LoopClock:
-    """Time the loop's thread spends in the checkpointer (``spent``: making the saver at the
-    run's start, its step-boundary hook; ``ending``: the run's end, waiting for the last
-    writes), and the saves written and dropped, summed over the runs since ``reset``."""
-
-    def __init__(self):
-        from jaxnitro.checkpointers import orbax as plugin  # noqa: PLC0415
-
-        self.reset()
-        for name in ("__init__", "step_boundary", "finish"):
-            setattr(plugin._Saver, name, self.timed(getattr(plugin._Saver, name), name))
-
-    def reset(self):
-        self.spent = self.ending = 0.0
-        self.written = self.dropped = 0
-
-    def timed(self, fn, name):
-        def wrapper(saver, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(saver, *args, **kwargs)
-            finally:
-                if name == "finish":
-                    self.ending += time.perf_counter() - t0
-                    self.written += saver.written
-                    self.dropped += saver.dropped
-                else:
-                    self.spent += time.perf_counter() - t0
-
-        return wrapper
+def LoopClock():
+    """:class:`checkpoint.HookClock` over the saver's ``__init__`` (made at the run's start)
+    and its step-boundary hook (``spent``), and ``finish`` (``ending``)."""
+    return HookClock(("__init__", "step_boundary", "finish"))
 
 
 def timed(e, data, run_dir, steps: int, val_every: int, checkpointer) -> tuple[float, float]:
