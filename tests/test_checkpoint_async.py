@@ -250,6 +250,12 @@ def test_a_write_that_waits_without_cpu_holds_no_checkpoint_back(tmp_path, monke
     loop goes on (none held back to the run's end, where the end would wait for them and a
     kill would lose them), and the loop steps on while a save is in flight."""
     writes = []  # (step, the loop's published step when the write ended, at the run's end)
+    # The writer thread's own incidental CPU (waking up, freeing the snapshot, a garbage
+    # collection that happens to run on it) is paced too: at HELPER_CPU = 4 that is 76x, so
+    # 13 ms of it (seen on CI's loaded cores) held step 12 back to the run's end. Counted
+    # once (x19), up to ~50 ms of it still lets every write go before the next boundary,
+    # while pacing by wall time (0.2 s x 19 = 3.8 s) would still hold them back.
+    monkeypatch.setattr(plugin, "HELPER_CPU", 1.0)
 
     def waits(self, item):  # 0.2 s of waiting, no CPU: a slow disk, or a core busy elsewhere
         time.sleep(0.2)
