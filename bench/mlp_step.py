@@ -16,18 +16,24 @@ import optax
 SMOOTHING = 0.05
 
 
-def make_step(seed: int = 0, width: int = 128, opt=None):
+def make_step(seed: int = 0, width: int = 128, opt=None, compute_dtype=None):
     """``(params, opt_state, step)`` for the MLP: ``step(params, opt_state, x, y) -> (params,
     opt_state, loss)``, not jitted (the caller jits it, with its own shardings or donation).
-    ``opt``: an optax transformation (default ``optax.radam(1e-3)``)."""
+    ``opt``: an optax transformation (default ``optax.radam(1e-3)``). ``compute_dtype``
+    (e.g. ``jnp.bfloat16``): the forward and backward run in it, by hand, as mixed precision
+    is usually written: the float32 params and ``x`` cast inside the step, the logits cast
+    back to float32 before the loss; the gradient reaches the optimizer in float32."""
     k1, k2 = jax.random.split(jax.random.key(seed))
     model = (eqx.nn.Linear(784, width, key=k1), eqx.nn.Linear(width, 10, key=k2))
     params, static = eqx.partition(model, eqx.is_inexact_array)  # once, not per step
     opt = optax.radam(1e-3) if opt is None else opt
 
     def loss_fn(params, x, y):
+        if compute_dtype is not None:
+            params = jax.tree_util.tree_map(lambda a: a.astype(compute_dtype), params)
+            x = x.astype(compute_dtype)
         l1, l2 = eqx.combine(params, static)
-        logits = jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(x)
+        logits = jax.vmap(lambda v: l2(jax.nn.relu(l1(v))))(x).astype(jnp.float32)
         target = (1.0 - SMOOTHING) * y + SMOOTHING / y.shape[-1]
         return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1)) / x.shape[0]
 

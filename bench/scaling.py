@@ -13,13 +13,18 @@ the hand-written step).
 FSDP rows (``sharding="fsdp"``): the hand-written side places every parameter and optimizer
 state leaf split along its largest dimension divisible by the device count
 (``NamedSharding(mesh, P(..., "data"))``, replicated when none divides) and jits the step with
-those shardings as ``out_shardings``. A bfloat16 row waits for the ``precision`` knob (not on
-this branch: skipped).
+those shardings as ``out_shardings``.
+
+bfloat16 rows (``precision="bfloat16"``): the hand-written step casts the float32 params and
+the images to bfloat16 inside the step and the logits back to float32 before the loss
+(``mlp_step.make_step(compute_dtype=jnp.bfloat16)``), as jaxnitro's policy does. XLA's CPU
+backend has no fast bfloat16 matmul, so these rows are slower than float32 for both sides
+alike: read the ratio.
 
 CPU devices share this machine's cores: more devices is not faster here, so read the
 ratios, not a speed-up.
 
-    python bench/scaling.py [--steps 300] [--repeats 3] [--rows all|fsdp]
+    python bench/scaling.py [--steps 300] [--repeats 3] [--rows all|fsdp|bf16]
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def _worker(args) -> None:
 
     if args.sync_cpu:  # see --sync-cpu
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import Mesh, NamedSharding
@@ -76,11 +82,11 @@ def _worker(args) -> None:
         best = max(dims, key=lambda d: (shape[d], -d))
         return NamedSharding(mesh, P(*([None] * best), "data"))
 
-    def handwritten(n: int, steps: int, fsdp: bool = False) -> float:
+    def handwritten(n: int, steps: int, fsdp: bool = False, bf16: bool = False) -> float:
         devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: n // jax.process_count()]]
         mesh = Mesh(np.array(devices), ("data",))
         rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        params, opt_state, step = make_step(0, 128, optax.radam(1e-3))
+        params, opt_state, step = make_step(0, 128, optax.radam(1e-3), jnp.bfloat16 if bf16 else None)
         where = (lambda a: fsdp_sharding(mesh, np.shape(a), n)) if fsdp else (lambda a: rep)
         p_sh, o_sh = jax.tree_util.tree_map(where, params), jax.tree_util.tree_map(where, opt_state)
         if jax.process_count() == 1:
@@ -111,10 +117,10 @@ def _worker(args) -> None:
         jax.block_until_ready(loss)
         return steps / (time.perf_counter() - t0)
 
-    def nitro(n: int, steps: int, tmp: str, fsdp: bool = False) -> float:
+    def nitro(n: int, steps: int, tmp: str, fsdp: bool = False, bf16: bool = False) -> float:
         epochs = max(steps // len(source()), 1)
         handle = jn.Nitro(BenchMLP(), data={"train": source()}, n_devs=n, max_epochs=epochs, logger=None, run_dir=tmp,
-                          sharding="fsdp" if fsdp else "replicated")
+                          sharding="fsdp" if fsdp else "replicated", precision="bfloat16" if bf16 else "float32")
         if fsdp:  # the params are split, as the hand-written side's
             assert not all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(handle.params))
         t0 = time.perf_counter()
@@ -124,23 +130,29 @@ def _worker(args) -> None:
 
     total = args.devices * args.procs
     if args.rows == "fsdp":
-        counts = [(total, True)] if args.procs > 1 else [(2, True), (4, True)]
+        counts = [(total, True, False)] if args.procs > 1 else [(2, True, False), (4, True, False)]
+    elif args.rows == "bf16":
+        counts = [(total, True, True)] if args.procs > 1 else [(1, False, True), (4, True, True)]
+    elif args.procs > 1:
+        counts = [(total, False, False), (total, True, False), (total, True, True)]
     else:
-        counts = [(total, False), (total, True)] if args.procs > 1 else [(1, False), (2, False), (4, False), (2, True), (4, True)]
+        counts = [(1, False, False), (2, False, False), (4, False, False), (2, True, False), (4, True, False),
+                  (1, False, True), (4, True, True)]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for n, fsdp in counts:
-            nitro(n, 1, tmp, fsdp)  # compile
+        for n, fsdp, bf16 in counts:
+            nitro(n, 1, tmp, fsdp, bf16)  # compile
             hand, ours = [], []
             for r in range(args.repeats):
                 if r % 2:
-                    ours.append(nitro(n, args.steps, tmp, fsdp))
-                    hand.append(handwritten(n, args.steps, fsdp))
+                    ours.append(nitro(n, args.steps, tmp, fsdp, bf16))
+                    hand.append(handwritten(n, args.steps, fsdp, bf16))
                 else:
-                    hand.append(handwritten(n, args.steps, fsdp))
-                    ours.append(nitro(n, args.steps, tmp, fsdp))
-            out[f"{n} fsdp" if fsdp else str(n)] = {"hand": statistics.median(hand), "nitro": statistics.median(ours),
-                                                    "ratio": statistics.median(o / h for o, h in zip(ours, hand))}
+                    hand.append(handwritten(n, args.steps, fsdp, bf16))
+                    ours.append(nitro(n, args.steps, tmp, fsdp, bf16))
+            name = str(n) + (" fsdp" if fsdp else "") + (" bf16" if bf16 else "")
+            out[name] = {"hand": statistics.median(hand), "nitro": statistics.median(ours),
+                         "ratio": statistics.median(o / h for o, h in zip(ours, hand))}
     if jax.process_index() == 0:
         print("RESULT" + json.dumps(out))
 
@@ -159,9 +171,10 @@ def main(argv=None) -> dict:
                         help="synchronous CPU dispatch for both sides. Not needed: both sides keep at most 16 "
                              "steps in flight, without which XLA's CPU all-reduce over several forced devices "
                              "misses its 40 s rendezvous and aborts the process (64 in flight did here)")
-    parser.add_argument("--rows", choices=("all", "fsdp"), default="all",
-                        help="all: replicated on 1, 2, 4 devices and FSDP on 2, 4 (and 2 processes x 2 of each); "
-                             "fsdp: only the FSDP rows")
+    parser.add_argument("--rows", choices=("all", "fsdp", "bf16"), default="all",
+                        help="all: replicated on 1, 2, 4 devices, FSDP on 2, 4, bfloat16 on 1 and FSDP on 4 "
+                             "(and 2 processes x 2 of each kind); fsdp: only the FSDP rows; bf16: only the "
+                             "bfloat16 rows")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--procs", type=int, default=1, help=argparse.SUPPRESS)
@@ -182,10 +195,9 @@ def main(argv=None) -> dict:
     for n, v in json.loads(outs[0].split("RESULT", 1)[1]).items():
         results[f"2 processes x 2{n[1:]}"] = v
     print(f"global batch {GLOBAL_BATCH}, {args.steps} steps per run, {args.repeats} repeats (CPU devices share the cores)")
-    print(f"{'devices':>21} | {'hand-written':>12} | {'jaxnitro':>8} | ratio (median of pairs; target >= 0.95)")
+    print(f"{'devices':>25} | {'hand-written':>12} | {'jaxnitro':>8} | ratio (median of pairs; target >= 0.95)")
     for name, v in results.items():
-        print(f"{name:>21} | {v['hand']:10.0f}/s | {v['nitro']:6.0f}/s | {v['ratio']:.3f}")
-    print("bfloat16: not measured (the `precision` knob is not on this branch)")
+        print(f"{name:>25} | {v['hand']:10.0f}/s | {v['nitro']:6.0f}/s | {v['ratio']:.3f}")
     return results
 
 
