@@ -69,6 +69,14 @@ class EventBook:
                 cut = mark
         return cut
 
+    def period(self) -> int | None:
+        """The steps between the run's recurring cuts: the greatest common divisor of the
+        epoch's length, ``val_every`` and the plugins' periods (single ``marks`` and the run's
+        end aside); None when nothing recurs (a stream with no periods). A segment that starts
+        at a multiple of it is a multiple of it."""
+        recurring = [p for p in (self.steps_per_epoch, self.val_every, *self.periods) if p]
+        return math.gcd(*recurring) if recurring else None
+
     def closes_row(self, step: int, epoch_done: bool) -> bool:
         """Whether a history row ends at ``step``: an epoch's end (or the run's) when rows
         follow epochs; a validation (every ``val_every`` steps, and the run's end) otherwise."""

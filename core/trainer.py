@@ -261,7 +261,7 @@ class _Run:
         if chosen is not None:
             self.run_ctx.chosen_k = chosen
             return chosen, None
-        probe = AutoProbe(self.nitro.step)
+        probe = AutoProbe(self.nitro.step, self.book.period())
         return 1, (probe if probe.last <= self.book.total else None)
 
     def _dispatcher(self, dist):

@@ -389,6 +389,22 @@ def test_auto_chooses_k_from_the_step_time():
     assert choose_k(DISPATCH_BOUND) == 1
 
 
+def test_auto_prefers_a_k_that_divides_the_recurring_segment():
+    """A k that divides the steps between cuts leaves no remainder to dispatch one step at a
+    time; it is chosen from between half the power of two and what the bound allows."""
+    from jaxnitro.book import EventBook
+    from jaxnitro.dispatch import choose_k
+
+    assert choose_k(0.0005, 550) == 55  # not 64: 8 blocks + 38 single steps an epoch
+    assert choose_k(0.0005, 1000) == 50 and choose_k(0.0005, 128) == 64
+    assert choose_k(0.0005, 997) == 64  # a prime: no divisor in 32..64, the power of two
+    assert choose_k(0.004, 550) == 25  # 25 x 4 ms is the 100 ms bound, 16 is the power of two
+    assert choose_k(0.03, 550) == 1
+    assert EventBook(550, 5500).period() == 550
+    assert EventBook(550, 5500, val_every=200, periods=(1000,)).period() == 50
+    assert EventBook(None, 600).period() is None and EventBook(None, 600, periods=(100,)).period() == 100
+
+
 def test_auto_is_bitwise_equal_to_one_step_a_dispatch_and_keeps_its_choice(tmp_path):
     from long_run_child import data
 
