@@ -68,10 +68,13 @@ class Program:
     ``kind`` names it (``"train_step"``, ``"accumulate"``, ``"forward"``,
     ``"metrics"``). Call ``program.jitted(*args)``: a call whose argument
     shapes/dtypes were seen before runs the compiled executable, a new
-    signature traces and compiles once (one miss).
+    signature traces and compiles once (one miss). ``compiler_options``: XLA options for
+    its compiles (the training programs' under ``remat`` on a CPU:
+    :meth:`jaxnitro.precision.Policy.compiler_options`).
     """
 
-    def __init__(self, kind: str, fn: Callable, donate_argnums=(), meta: dict | None = None):
+    def __init__(self, kind: str, fn: Callable, donate_argnums=(), meta: dict | None = None,
+                 compiler_options: dict | None = None):
         self.kind = kind
         self.traces = 0
         self.meta = meta if meta is not None else {}
@@ -84,7 +87,7 @@ class Program:
                 _misses += 1
             return fn(*args)
 
-        self.jitted = jax.jit(traced, donate_argnums=donate_argnums)
+        self.jitted = jax.jit(traced, donate_argnums=donate_argnums, compiler_options=compiler_options)
 
 
 _keying = threading.local()  # ids of the objects whose key is being computed (cycles)
@@ -394,7 +397,8 @@ def _canonical(key):
     return key
 
 
-def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate_argnums=()) -> Program:
+def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate_argnums=(),
+                compiler_options: dict | None = None) -> Program:
     """Return the cached program for ``(kind, key)``, building it with ``build(meta)`` on first request.
 
     ``meta`` is a dict stored on the program that traced code may fill in
@@ -404,7 +408,8 @@ def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate
     wraps the function; the compile (the miss) happens at the first call with
     a new argument signature. Experiment classes and functions in ``key`` are
     compared by content (:func:`stable_key`), so an unchanged class defined
-    again reuses its programs.
+    again reuses its programs. ``compiler_options`` (XLA options for this program's
+    compiles, ``jax.jit(compiler_options=...)``) must be decided by what ``key`` holds.
     """
     global _hits
     full = (kind, _canonical(key))
@@ -414,7 +419,7 @@ def get_program(kind: str, key: tuple, build: Callable[[dict], Callable], donate
             _hits += 1
             return program
     meta: dict = {}
-    program = Program(kind, build(meta), donate_argnums, meta)
+    program = Program(kind, build(meta), donate_argnums, meta, compiler_options)
     with _lock:
         return _programs.setdefault(full, program)
 

@@ -20,10 +20,16 @@ the experiment's ``forward`` (:meth:`jaxnitro.programs.ProgramSet._forward`):
   have either.
 
 ``remat`` (``False``, ``True`` or the name of a policy in ``jax.checkpoint_policies``,
-e.g. ``"dots_saveable"``; a policy function is accepted too) wraps the training
-programs' ``forward`` in ``jax.checkpoint`` (:func:`equinox.filter_checkpoint`): its
-activations are recomputed in the backward pass instead of kept, except those the policy
-saves. Inference (validation, prediction) is never wrapped.
+e.g. ``"dots_saveable"``; a policy function is accepted too) runs the training programs'
+``forward`` under ``jax.checkpoint`` (:func:`equinox.filter_checkpoint`) block by block
+(:meth:`Policy.rematerialized`): a block's activations are recomputed in the backward pass
+instead of kept, except those the policy saves. Inference (validation, prediction) is
+never wrapped. On XLA:CPU the training programs are compiled with :data:`KEEP_BARRIERS`
+(:meth:`Policy.compiler_options`): XLA's CPU pipeline otherwise removes the
+``optimization_barrier`` s ``jax.checkpoint`` places before it schedules, and its common
+subexpression elimination then merges each recomputation with the forward pass's value,
+which undoes remat (the same temporaries as without it). GPU and TPU compilers remove the
+barriers only after scheduling, and need no option.
 
 Both are trace-time constants: :meth:`Policy.key` is part of every program key.
 """
@@ -37,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Policy", "PRECISIONS", "check_knobs", "make_policy", "remat_policies", "FLOAT16_REFUSAL"]
+__all__ = ["Policy", "PRECISIONS", "KEEP_BARRIERS", "check_knobs", "make_policy", "remat_policies", "FLOAT16_REFUSAL"]
 
 PRECISIONS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 """The accepted ``precision`` values and the compute dtype each means."""
@@ -49,6 +55,14 @@ FLOAT16_REFUSAL = (
     "do. Use precision=\"bfloat16\": float32's range in 16 bits, the same memory and speed "
     "on GPUs (Ampere and later) and TPUs, and no loss scaling."
 )
+
+
+KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+"""The XLA options a training program is compiled with under ``remat`` on a CPU: skip
+XLA:CPU's ``OptimizationBarrierExpander`` (named ``cse_barrier_expander``), so the barriers
+``jax.checkpoint`` places keep the recomputation apart from the forward pass (and after it)
+until the buffers are assigned, as on GPUs. The program computes the same values (a
+barrier is an identity), so the results stay bitwise equal."""
 
 
 def remat_policies() -> tuple[str, ...]:
@@ -131,6 +145,13 @@ class Policy:
         name = self.remat if isinstance(self.remat, str) else getattr(self.remat, "__name__", repr(self.remat))
         return f"on (jax.checkpoint, policy {name})"
 
+    def compiler_options(self) -> dict | None:
+        """XLA options for the programs that differentiate ``forward``: :data:`KEEP_BARRIERS`
+        under ``remat`` when JAX's default backend is a CPU, else None (no option)."""
+        if self.remat is False or self.remat is None or jax.default_backend() != "cpu":
+            return None
+        return dict(KEEP_BARRIERS)
+
     # -- inside a trace ---------------------------------------------------------------
 
     def cast_params(self, params):
@@ -177,22 +198,36 @@ class Policy:
 
     def rematerialized(self, model, fn, inference: bool):
         """``(model, fn)`` under ``remat`` when the program differentiates ``forward`` (not in
-        inference): every Module in a list or tuple of Modules of ``model`` (the repeated
-        blocks: ``eqx.nn.MLP``'s ``layers``, a transformer's blocks; the outermost such
-        sequence) runs under ``jax.checkpoint`` (:class:`Checkpointed`); a model without one
-        has its whole ``forward`` (``fn``) checkpointed instead."""
+        inference): the blocks of ``model`` run under ``jax.checkpoint``
+        (:class:`Checkpointed`), the outermost ones found in it of two kinds:
+
+        * every Module in a list or tuple of Modules (the repeated blocks of a Python loop:
+          ``eqx.nn.MLP``'s ``layers``, a transformer's tuple of blocks);
+        * a Module of layers stacked for a ``lax.scan`` (:func:`_is_stacked`: made by
+          ``eqx.filter_vmap`` of a block's constructor), wrapped whole: the scan slices the
+          wrapper with its arrays, so each iteration's block is checkpointed. A Module that
+          merely looks stacked (a lone convolution) is checkpointed as one block, which
+          changes no value.
+
+        A model with neither has its whole ``forward`` (``fn``) checkpointed instead."""
         if inference or self.remat is False or self.remat is None:
             return model, fn
         policy = self._policy()
         found = []
 
+        def is_block(x):
+            return _is_blocks(x) or (x is not model and _is_stacked(x))
+
         def wrap(x):
             if _is_blocks(x):
                 found.append(len(x))
                 return type(x)(Checkpointed(b, policy) for b in x)
+            if x is not model and _is_stacked(x):
+                found.append(1)
+                return Checkpointed(x, policy)
             return x
 
-        wrapped = jax.tree_util.tree_map(wrap, model, is_leaf=_is_blocks)
+        wrapped = jax.tree_util.tree_map(wrap, model, is_leaf=is_block)
         if found:
             return wrapped, fn
         checkpointed = eqx.filter_checkpoint(lambda view, m, state, fields: fn(view, m, state, **fields), policy=policy)
@@ -201,6 +236,19 @@ class Policy:
 
 def _is_blocks(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 1 and all(isinstance(b, eqx.Module) and callable(b) for b in x)
+
+
+def _is_stacked(x) -> bool:
+    """Whether ``x`` is a callable Module whose arrays all have at least two dimensions and
+    one leading axis of the same length ``n >= 2``, one of them at least three (a stacked
+    ``Linear``'s weight ``[n, out, in]``): layers stacked for a scan over them."""
+    if not (isinstance(x, eqx.Module) and callable(x)):
+        return False
+    arrays = [a for a in jax.tree_util.tree_leaves(x) if eqx.is_array(a)]
+    if not arrays or min(a.ndim for a in arrays) < 2 or max(a.ndim for a in arrays) < 3:
+        return False
+    n = arrays[0].shape[0]
+    return n >= 2 and all(a.shape[0] == n for a in arrays)
 
 
 class Checkpointed(eqx.Module):

@@ -194,12 +194,14 @@ class ProgramSet:
             self.precision.key(),
         )
 
-    def _program(self, kind: str, key: tuple, build, donate_argnums=()) -> Program:
+    def _program(self, kind: str, key: tuple, build, donate_argnums=(), train: bool = False) -> Program:
         """This handle's program of ``kind``: looked up in the module cache once per handle,
-        so ``cache_stats().hits`` counts programs a handle reused, not calls."""
+        so ``cache_stats().hits`` counts programs a handle reused, not calls. ``train``: it
+        differentiates ``forward`` (compiled with the policy's XLA options: ``remat``'s)."""
         memo = self.__dict__.setdefault("_memo", {})
         if (kind, key) not in memo:
-            memo[(kind, key)] = get_program(kind, key, build, donate_argnums=donate_argnums)
+            options = self.precision.compiler_options() if train else None
+            memo[(kind, key)] = get_program(kind, key, build, donate_argnums=donate_argnums, compiler_options=options)
         return memo[(kind, key)]
 
     # -- helpers used inside traces ------------------------------------------
@@ -325,7 +327,7 @@ class ProgramSet:
         XLA compiled the programs that summed them (inside one ``train_block`` loop body, XLA
         rounded the average differently from separate programs).
         """
-        return self._program("accumulate", self.train_key(), self._accumulate_fn, donate_argnums=(1, 4))
+        return self._program("accumulate", self.train_key(), self._accumulate_fn, donate_argnums=(1, 4), train=True)
 
     def _train_step_fn(self, opt: OptimizerSpec, tx, opt_def, meta) -> Callable:
         """The body of :meth:`train_step` (also traced inside :meth:`train_block`)."""
@@ -399,6 +401,7 @@ class ProgramSet:
             self.train_key() + (opt.key(), stable_key(opt_def)),
             lambda meta: self._train_step_fn(opt, tx, opt_def, meta),
             donate_argnums=(0, 1, 2),
+            train=True,
         )
 
     def train_block(self, opt: OptimizerSpec, tx, opt_def) -> Program:
@@ -456,6 +459,7 @@ class ProgramSet:
             self.train_key() + (opt.key(), stable_key(opt_def)),
             build,
             donate_argnums=(0, 1, 2),
+            train=True,
         )
 
     def forward(self) -> "FlatProgram":
