@@ -374,6 +374,14 @@ def _program_args(e, hooks: dict, routes: dict, skeleton, state: TrainState, set
             f"`jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), model)` before the forward "
             f"pass, the loss in float32), and leave `precision` at 'float32'."
         )
+    if settings.remat not in (False, None) and "train_step" in hooks:
+        raise ValueError(
+            f"jaxnitro: run knob `remat` = {settings.remat!r} ({settings.source('remat')}), but "
+            f"{type(e).__name__} writes its own `train_step`, which takes the gradients itself: the "
+            f"framework's remat wraps `forward` inside its own train step only. Checkpoint inside your "
+            f"train_step (e.g. `eqx.filter_checkpoint` around the forward pass you differentiate), "
+            f"and leave `remat` at False."
+        )
     return dict(
         cls=type(e),
         hooks=hooks,

@@ -317,3 +317,12 @@ def test_bfloat16_is_refused_for_a_manual_train_step():
     E = fresh_tiny(train_step=lambda self, models, optimizers, *, x: (models, optimizers, {}))
     with pytest.raises(ValueError, match=r"`precision` = 'bfloat16' \(keyword\), but FreshTiny writes its own `train_step`"):
         jn.Nitro(E(), logger=None, precision="bfloat16")
+
+
+def test_remat_is_refused_for_a_manual_train_step():
+    """remat wraps `forward` inside the framework's own step; a train_step differentiates
+    by itself, so the knob would do nothing: refused, naming the knob and the fix."""
+    E = fresh_tiny(train_step=lambda self, models, optimizers, *, x: (models, optimizers, {}))
+    with pytest.raises(ValueError, match=r"`remat` = True \(keyword\), but FreshTiny writes its own `train_step`.*"
+                                         r"eqx.filter_checkpoint.*leave `remat` at False"):
+        jn.Nitro(E(), logger=None, remat=True)
