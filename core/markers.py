@@ -70,7 +70,8 @@ class StrippedHost:
 
     Any use (arithmetic, comparison with a value, indexing, attribute access,
     conversion to an array, a ``jax.numpy`` call) raises a ``TypeError`` naming
-    the field and the fix.
+    the field and the fix. An identity test (``is``, ``isinstance``) cannot be
+    intercepted: the ``code_checks`` plugin refuses one at setup, from the hooks' source.
     """
 
     __slots__ = ("_field", "_owner")
