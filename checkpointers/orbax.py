@@ -1135,6 +1135,19 @@ def _describe(folder: _RunFolder, steps, which, meta, monitor) -> str:
     return what + f") of {where}"
 
 
+def _without_empty_nodes(tree):
+    """``tree`` with every leafless custom node (an ``eqx.nn.StateIndex`` in a partitioned
+    model's params: BatchNorm's, whose init is a leafless sentinel) replaced by None: orbax's
+    partial restore cannot walk a node that flattens to no children (IndexError). The leaves,
+    and their order, are unchanged."""
+    def empty(x):
+        return (x is not None and not isinstance(x, (dict, list, tuple))
+                and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+                and not jax.tree_util.tree_leaves(x))
+
+    return jax.tree_util.tree_map(lambda x: None if empty(x) else x, tree, is_leaf=empty)
+
+
 def _restore_fn(folder: _RunFolder, steps: list[int]):
     def read(step, wanted):
         ocp = _ocp()
@@ -1149,6 +1162,15 @@ def _restore_fn(folder: _RunFolder, steps: list[int]):
         return {item: jax.tree_util.tree_map(jnp.asarray, got[item]) for item in wanted}
 
     def restore(wanted):
+        """``wanted``'s items read (averaged over ``steps``), each rebuilt in ``wanted``'s
+        structure: orbax reads the trees without their leafless nodes (:func:`_without_empty_nodes`)."""
+        got = read_all({k: _without_empty_nodes(v) for k, v in wanted.items()})
+        return {
+            k: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(v), jax.tree_util.tree_leaves(got[k]))
+            for k, v in wanted.items() if k in got
+        }
+
+    def read_all(wanted):
         newest = read(steps[-1], wanted)
         if len(steps) == 1:
             return newest

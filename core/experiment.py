@@ -25,7 +25,7 @@ from .cache import stable_key
 from .describe import describe, summarize_value
 from .hookspecs import EXPERIMENT_HOOKS
 from .knob_table import RUN_KNOBS
-from .markers import Device, GraphConst, Host, Marker, StrippedHost, check_traced_host_use, marker_of
+from .markers import Device, GraphConst, Host, Marker, StrippedHost, marker_of
 
 __all__ = [
     "experiment",
@@ -39,7 +39,7 @@ __all__ = [
     "call_method",
     "convert_exactly",
     "ConversionRefused",
-    "check_traced_code",
+    "traced_functions",
 ]
 
 field = attrs.field
@@ -554,12 +554,12 @@ def _experiment_repr_html(self) -> str:
     return describe(self, "html")
 
 
-def check_traced_code(e, hooks: dict, metrics_on_device: bool, train_metrics_on_host: bool = False) -> None:
-    """At setup: refuse identity tests on Host fields in the traced hooks (and the methods they
-    call), see :func:`jaxnitro.markers.check_traced_host_use`. A host-resident ``train_metrics``
-    counts too: it runs inside the training program's host callback, shared by every handle,
-    so it sees the compile view (Host fields stripped) as the traced hooks do."""
+def traced_functions(e, hooks: dict, metrics_on_device: bool, train_metrics_on_host: bool = False) -> dict:
+    """``{hook: function}`` of the hooks that run traced, as ``jaxnitro_check_traced_code`` gets
+    them: ``forward``, ``loss``, ``train_metrics``, ``train_step`` and, on the device,
+    ``metrics``, those the experiment or a plugin implements (not the defaults). A
+    host-resident ``train_metrics`` counts too: it runs inside the training program's host
+    callback, shared by every handle, so it sees the compile view (Host fields stripped) as
+    the traced hooks do."""
     traced = ("forward", "loss", "train_metrics", "train_step") + (("metrics",) if metrics_on_device else ())
-    functions = {h: hooks[h].function for h in traced if h in hooks and hooks[h].source != "default"}
-    host = [n for n, i in fields_of(e).items() if i.is_host]
-    check_traced_host_use(type(e), functions, host)
+    return {h: hooks[h].function for h in traced if h in hooks and hooks[h].source != "default"}

@@ -8,8 +8,9 @@ train split's first batch staged as the loop stages it, the run's hyperparameter
 ``1/accum``), so that a plugin compiling them ahead of time
 (``jitted.lower(*args).compile()``) leaves JAX's caches holding the programs of that
 signature: the first step compiles nothing again. It also carries the device facts the
-figures are for: the device, how many the mesh has and the device's memory capacity where
-JAX knows it. The answer is kept with the programs (``nitro.plan.memory``).
+figures are for: the device and how many the mesh has (what the device can hold is the
+plugin's to find out: the built-in one reads ``device.memory_stats()``). The answer is
+kept with the programs (``nitro.plan.memory``).
 
 This module reports; it compiles nothing and judges nothing (what fits, what helps).
 """
@@ -27,7 +28,7 @@ from .evaluation import make_transfer
 from .plugin_manager import disabled_note, first_result, plugin_manager
 from .routing import KEY_COUNT, KEY_DATA
 
-__all__ = ["FirstStep", "StepProgram", "device_capacity", "first_step", "preflight"]
+__all__ = ["FirstStep", "StepProgram", "first_step", "preflight"]
 
 TRAIN_HOOKS = ("forward", "loss", "train_metrics", "train_step")
 
@@ -49,8 +50,7 @@ class FirstStep:
     """The first optimizer step of a handle, as the loop dispatches it (see the module docstring).
 
     ``device``: the ``jax.Device`` the figures are for (the mesh's first); ``n_devices``:
-    the devices the step runs on; ``capacity``: ``device``'s memory limit in bytes where JAX
-    knows it (GPU, TPU), else None (a CPU); ``params``, ``model_state``, ``opt_state``: the
+    the devices the step runs on; ``params``, ``model_state``, ``opt_state``: the
     state's leaves as the step takes them; ``batch``: one staged micro-batch's fields (no key
     entries); ``programs``: the step's programs, in the order they run; empty with ``note``
     saying why when the first dispatch runs another program (``steps_per_dispatch`` > 1: the
@@ -59,24 +59,12 @@ class FirstStep:
 
     device: Any
     n_devices: int
-    capacity: int | None
     params: Any
     model_state: Any
     opt_state: Any
     batch: dict
     programs: tuple[StepProgram, ...] = ()
     note: str = ""
-
-
-def device_capacity(device) -> int | None:
-    """The device's memory limit in bytes, where JAX knows it (``memory_stats()["bytes_limit"]``)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        stats = None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"])
 
 
 def _first_batch(nitro) -> dict:
@@ -136,8 +124,7 @@ def first_step(nitro, scheds=None, scale=None) -> FirstStep:
     device = (dist.devices[0] if dist is not None else None) or jax.devices()[0]
     p, s, o = state.leaves()
     batch = _first_batch(nitro)
-    common = dict(device=device, n_devices=dist.n_devs if dist is not None else 1, capacity=device_capacity(device),
-                  params=p, model_state=s, opt_state=o,
+    common = dict(device=device, n_devices=dist.n_devs if dist is not None else 1, params=p, model_state=s, opt_state=o,
                   batch={k: v for k, v in batch.items() if k not in (KEY_DATA, KEY_COUNT)})
     if settings.steps_per_dispatch != "auto" and settings.steps_per_dispatch > 1:  # "auto" starts at 1
         return FirstStep(note="steps_per_dispatch > 1: the block program is compiled at its first dispatch", **common)

@@ -473,8 +473,8 @@ class ExtensionSpec:
 
         ``step`` is a :class:`jaxnitro.plugin.FirstStep`: the programs the loop's first
         optimizer step runs, each with the arguments of its first dispatch (compile them with
-        ``jitted.lower(*args).compile()``: the step then compiles nothing again), the device,
-        the mesh's device count and the device's capacity (None where JAX knows none). Asked
+        ``jitted.lower(*args).compile()``: the step then compiles nothing again), the device
+        and the mesh's device count (the device's capacity is the plugin's to read). Asked
         once per set of programs, before the first step of a run (``refuse=True``: raise a
         ``MemoryError`` naming the knobs that help when it cannot fit; the run then fails
         before its first step) and by ``jn.memory_report`` (``refuse=False``: report only).
@@ -576,6 +576,22 @@ class LifecycleSpec:
         """``Nitro(experiment)``'s setup is at ``step``: ``"starting"``, then named steps
         (``"building data"``, ``"deriving"``, ``"checking splits"``, ``"building model"``,
         ``"building optimizer"``), then ``"done"`` or ``"failed"``."""
+
+    @hookspec
+    def jaxnitro_check_experiment(self, experiment: Any) -> None:
+        """Setup, first, before the experiment's hooks are resolved: check the experiment (its
+        class, its methods). Warn for what would be silently ignored, raise to refuse it (the
+        error leaves ``Nitro(e)`` as it is). The built-in ``code_checks`` plugin warns for a
+        public method named close to a hook or run knob (``monitr``)."""
+
+    @hookspec
+    def jaxnitro_check_traced_code(self, experiment: Any, functions: dict[str, Callable[..., Any]]) -> None:
+        """Setup, step ``"building model"``, before any program is built: check the code that
+        will run traced. ``functions`` maps each traced hook the experiment or a plugin
+        implements (``forward``, ``loss``, ``train_metrics``, ``train_step``; ``metrics`` when
+        it runs on the device) to its function. Raise to refuse the experiment (the error
+        leaves ``Nitro(e)`` as it is). The built-in ``code_checks`` plugin refuses an
+        identity test on a Host field (``self.mode is None``)."""
 
     @hookspec
     def jaxnitro_phase_start(self, run: RunContext, epoch: int, phase: str, detail: str | None) -> None:

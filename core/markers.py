@@ -14,12 +14,9 @@ the plain type.
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 import typing
 
-__all__ = ["Device", "GraphConst", "Host", "Marker", "StrippedHost", "check_traced_host_use", "marker_of"]
+__all__ = ["Device", "GraphConst", "Host", "Marker", "StrippedHost", "marker_of"]
 
 
 class Marker:
@@ -73,7 +70,8 @@ class StrippedHost:
 
     Any use (arithmetic, comparison with a value, indexing, attribute access,
     conversion to an array, a ``jax.numpy`` call) raises a ``TypeError`` naming
-    the field and the fix.
+    the field and the fix. An identity test (``is``, ``isinstance``) cannot be
+    intercepted: the ``code_checks`` plugin refuses one at setup, from the hooks' source.
     """
 
     __slots__ = ("_field", "_owner")
@@ -164,107 +162,3 @@ def _register_stripped_host() -> None:
 
 
 _register_stripped_host()
-
-
-# -- identity tests on Host fields, found in the traced hooks' source ----------------------------
-
-_IDENTITY_BUILTINS = ("isinstance", "callable", "type", "id")
-_scanned: dict = {}
-
-
-def _self_attribute(node, self_name: str | None) -> str | None:
-    if (
-        self_name is not None
-        and isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == self_name
-    ):
-        return node.attr
-    return None
-
-
-def _scan(function, has_self: bool = True) -> tuple[list, set]:
-    """``([(attribute, line, source text)], {methods called on self})`` for ``function``: every
-    ``self.<attr> is / is not ...`` and ``isinstance(self.<attr>, ...)``-like use, and the names
-    of the methods it calls as ``self.<name>(...)``. Empty when its source is not available."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return [], set()
-    if (code, has_self) in _scanned:
-        return _scanned[code, has_self]
-    try:
-        lines, first = inspect.getsourcelines(function)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        _scanned[code, has_self] = ([], set())
-        return _scanned[code, has_self]
-    func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-    if func is None:
-        _scanned[code, has_self] = ([], set())
-        return _scanned[code, has_self]
-    params = func.args.posonlyargs + func.args.args
-    self_name = params[0].arg if params and has_self else None
-    found, calls = [], set()
-    for node in ast.walk(func):
-        if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-            for op, a, b in zip(node.ops, operands, operands[1:]):
-                if isinstance(op, (ast.Is, ast.IsNot)):
-                    for side in (a, b):
-                        attr = _self_attribute(side, self_name)
-                        if attr is not None:
-                            found.append((attr, first + node.lineno - 1, ast.unparse(node)))
-        elif isinstance(node, ast.Call):
-            if isinstance(node.func, ast.Name) and node.func.id in _IDENTITY_BUILTINS and node.args:
-                attr = _self_attribute(node.args[0], self_name)
-                # isinstance(self.x, StrippedHost) asks on purpose whether the code is traced
-                if attr is not None and "StrippedHost" not in ast.unparse(node):
-                    found.append((attr, first + node.lineno - 1, ast.unparse(node)))
-            method = _self_attribute(node.func, self_name)
-            if method is not None:
-                calls.add(method)
-    _scanned[code, has_self] = (found, calls)
-    return found, calls
-
-
-def check_traced_host_use(cls, traced: dict, host_fields) -> None:
-    """Refuse an identity test on a Host field in traced code (``self.mode is None``).
-
-    ``traced`` maps the traced hooks to their functions; the methods of ``cls`` they call
-    as ``self.<method>(...)`` are scanned too. ``is`` / ``is not`` and ``isinstance``,
-    ``callable``, ``type``, ``id`` cannot be intercepted by :class:`StrippedHost`: in traced
-    code they would silently see the sentinel instead of the value. Read from the
-    functions' source with :mod:`ast` (skipped where no source is available); raises
-    ``TypeError`` naming the hook, the field, the line and the fix.
-    """
-    host_fields = set(host_fields)
-    if not host_fields:
-        return
-    todo = [(f"hook `{hook}`", fn, True) for hook, fn in traced.items()]
-    seen: set = set()
-    while todo:
-        where, fn, has_self = todo.pop(0)
-        code = getattr(fn, "__code__", None)
-        if code is None or code in seen:
-            continue
-        seen.add(code)
-        found, calls = _scan(fn, has_self)
-        for attr, line, text in found:
-            if attr in host_fields:
-                raise TypeError(
-                    f"jaxnitro: {where} of {cls.__name__} tests Host field `{attr}` with `{text}` "
-                    f"(line {line} of {code.co_filename}). Traced code sees a Host field as the "
-                    f"sentinel StrippedHost('{attr}'), never its value, so this test silently gives "
-                    f"the same answer whatever the value (`is None` is always False, `is not None` always True). Fix: mark the "
-                    f"field `GraphConst[...]` (a hashable value, None included, baked into the graph, "
-                    f"so the test runs at trace time), or `Device[...]` for a number traced code "
-                    f"reads, or decide on the host (build_model, derive) and keep the result in a "
-                    f"GraphConst field."
-                )
-        for name in sorted(calls):
-            method = inspect.getattr_static(cls, name, None)
-            has_self = inspect.isfunction(method)  # a static or class method has no instance
-            if isinstance(method, (staticmethod, classmethod)):
-                method = method.__func__
-            if inspect.isfunction(method):
-                todo.append((f"method `{name}` (called from {where.split(' (')[0]})", method, has_self))

@@ -28,7 +28,6 @@ import difflib
 import importlib.metadata
 import inspect
 import os
-import warnings
 from dataclasses import dataclass
 
 import pluggy
@@ -36,7 +35,6 @@ import pluggy
 from . import hookspecs
 from .hookcalls import Answer, Manager, call, first_answer, forget_answers, latest_answers
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
-from .knob_table import RUN_KNOBS
 
 __all__ = [
     "PluginInfo",
@@ -302,49 +300,13 @@ def _own_method(e, hook: str):
     return _unbound(function) if inspect.isroutine(function) else None
 
 
-def _public_methods(cls):
-    """``{name: defining class}`` of the public methods of ``cls`` and its bases (not ``object``)."""
-    out: dict[str, type] = {}
-    for klass in reversed(cls.__mro__[:-1]):
-        for name, value in vars(klass).items():
-            if not name.startswith("_") and (
-                inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))
-            ):
-                out[name] = klass
-    kept = getattr(cls, "__jaxnitro_knob_methods__", {})
-    return {**out, **{name: cls for name in kept}}
-
-
-def warn_misspelled_hooks(e) -> None:
-    """Warn (``UserWarning``) for a public method of the experiment whose name is close to a
-    hook or run-knob name but is neither: it would be silently ignored (``metric``, ``monitr``)."""
-    known = EXPERIMENT_HOOKS + RUN_KNOBS
-    fields = getattr(type(e), "__jaxnitro_fields__", {})
-    for name, klass in _public_methods(type(e)).items():
-        if name in known or name in fields:
-            continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        if close:
-            kind = "hook" if close[0] in EXPERIMENT_HOOKS else "run knob"
-            warnings.warn(
-                f"jaxnitro: method `{name}` of {type(e).__name__} (defined in {klass.__name__}) is "
-                f"no hook or run knob, so jaxnitro never calls it; did you mean the {kind} "
-                f"`{close[0]}`? Rename it to `{close[0]}`, or, if it is a helper, give it a name "
-                f"further from the hooks (or a leading underscore).",
-                UserWarning,
-                stacklevel=3,
-            )
-
-
 def resolve_hooks(e, defaults) -> dict[str, ResolvedHook]:
     """Resolve every experiment hook once: experiment > installed plugins > ``defaults``.
 
     Returns ``{hook name: ResolvedHook}`` for the hooks that have any
     implementation. Raises ``TypeError`` for an experiment method whose
-    positional parameters do not fit the hook's contract; warns for a public
-    method named close to a hook or run knob (:func:`warn_misspelled_hooks`).
+    positional parameters do not fit the hook's contract.
     """
-    warn_misspelled_hooks(e)
     pm = plugin_manager()
     dists = _distributions(pm)
     cls_name = type(e).__name__

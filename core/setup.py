@@ -24,7 +24,8 @@ from .book import schedule_horizon
 from .batches import is_sized, batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
 from .distributed import check_batch_divides, check_n_devs, make_dist, split_for_process
-from .experiment import check_traced_code, fields_of, is_experiment, to_device_value
+from .events import emit
+from .experiment import fields_of, is_experiment, to_device_value, traced_functions
 from .knobs import Settings
 from .logger import check_logger_knob
 from .manual import check_manual_experiment, split_optimizer
@@ -76,6 +77,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     """Run every setup step for ``experiment`` with the handle's ``kwargs``."""
     _check_call(experiment, kwargs)
     e = experiment
+    emit("jaxnitro_check_experiment", experiment=e)
     hooks = resolve_hooks(e, Defaults())
     settings = _settings(e, kwargs, hooks)
     dist = make_dist(settings.n_devs, settings.mesh_shape)
@@ -96,7 +98,8 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         if info.is_device
     }
     metrics_on_device = _metrics_on_device(e, hooks, routes, dist)
-    check_traced_code(e, hooks, metrics_on_device, _train_metrics_on_host(e, hooks))
+    emit("jaxnitro_check_traced_code", experiment=e,
+         functions=traced_functions(e, hooks, metrics_on_device, _train_metrics_on_host(e, hooks)))
     program_args = _program_args(e, hooks, routes, model.skeleton, state, settings)
     steps.to("building optimizer")
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial

@@ -460,30 +460,12 @@ def check_tree_and_graph(e, params, record: WeightsRecord, keyword: str = "weigh
         )
 
 
-def _without_empty_nodes(tree):
-    """``tree`` with every leafless custom node (an ``eqx.nn.StateIndex`` in a partitioned
-    model's params: BatchNorm's, whose init is a leafless sentinel) replaced by None: orbax's
-    partial restore cannot walk a node that flattens to no children (IndexError). The leaves,
-    and their order, are unchanged."""
-    def empty(x):
-        return (x is not None and not isinstance(x, (dict, list, tuple))
-                and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
-                and not jax.tree_util.tree_leaves(x))
-
-    return jax.tree_util.tree_map(lambda x: None if empty(x) else x, tree, is_leaf=empty)
-
-
 def restore_items(record: WeightsRecord, wanted: dict) -> dict:
-    """``record.restore(wanted)``, turning a read failure into an error naming the checkpoint.
-
-    The trees are restored without their leafless nodes (:func:`_without_empty_nodes`) and
-    rebuilt in ``wanted``'s structure."""
+    """``record.restore(wanted)`` (the items of ``wanted`` it holds), turning a read failure into
+    an error naming the checkpoint."""
     try:
-        got = record.restore({k: _without_empty_nodes(v) for k, v in wanted.items()})
-        return {
-            k: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(v), jax.tree_util.tree_leaves(got[k]))
-            for k, v in wanted.items() if k in got
-        }
+        got = record.restore(wanted)
+        return {k: got[k] for k in wanted if k in got}
     except (ValueError, TypeError) as err:
         if str(err).startswith("jaxnitro:"):
             raise

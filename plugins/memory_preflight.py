@@ -4,7 +4,8 @@ Entry point ``memory_preflight``; it answers ``jaxnitro_preflight`` (``trylast``
 installed plugin answering the hook wins) and exports ``jn.MemoryReport`` and ``jn.WontFitError``. The core
 asks the hook before the first step of a run and for ``jn.memory_report(e, **knobs)``, with
 the first optimizer step as the loop dispatches it (:class:`jaxnitro.plugin.FirstStep`: its
-programs with their first arguments, the device and its capacity). This plugin lowers and
+programs with their first arguments, the device and the mesh's device count); this plugin
+reads the device's capacity (:func:`device_capacity`). It lowers and
 compiles those programs (``jitted.lower(*args).compile()``): JAX keeps the traced and compiled
 program for that signature, so the first step compiles nothing again (one trace in
 ``cache_stats()``). The :class:`MemoryReport` holds, for one device:
@@ -36,7 +37,7 @@ import jax
 
 from jaxnitro.plugin import hookimpl
 
-__all__ = ["MemoryReport", "WontFitError", "preflight", "per_device_bytes"]
+__all__ = ["MemoryReport", "WontFitError", "device_capacity", "preflight", "per_device_bytes"]
 
 
 class WontFitError(MemoryError):
@@ -106,6 +107,17 @@ def _mib(n: int | None) -> str:
     return f"{n:,} bytes"
 
 
+def device_capacity(device) -> int | None:
+    """The device's memory limit in bytes, where JAX knows it (``memory_stats()["bytes_limit"]``)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"])
+
+
 def per_device_bytes(tree, device=None) -> int:
     """Bytes of ``tree``'s arrays held by one device: a ``jax.Array``'s shard on it
     (``sharding.shard_shape``; 0 when it holds none), a host (NumPy) array whole."""
@@ -141,7 +153,7 @@ def preflight(nitro, step, *, refuse: bool = True) -> MemoryReport:
     settings, device = nitro.settings, step.device
     common = dict(
         device=f"{device.platform}:{device.id} {device.device_kind}", n_devices=step.n_devices,
-        capacity=step.capacity, params=per_device_bytes(step.params, device),
+        capacity=device_capacity(device), params=per_device_bytes(step.params, device),
         opt_state=per_device_bytes(step.opt_state, device), model_state=per_device_bytes(step.model_state, device),
         batch=per_device_bytes(step.batch, device),
         settings=dict(precision=settings.precision, remat=settings.remat, accum=settings.accum, batch=nitro.plan.width),

@@ -13,6 +13,7 @@ import pytest
 
 import jaxnitro as jn
 import jaxnitro.first_step as memory
+import jaxnitro.plugins.memory_preflight as preflight_plugin
 from jaxnitro import GraphConst
 from jaxnitro.precision import KEEP_BARRIERS, Policy
 from tiny import N_CLASSES, fresh_tiny
@@ -272,7 +273,7 @@ def test_memory_report_figures_and_the_first_step_compiles_nothing_again(tmp_pat
 
 
 def test_a_step_that_cannot_fit_is_refused_before_it_runs_naming_the_knobs(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "device_capacity", lambda device: 4096)  # a 4 KiB device
+    monkeypatch.setattr(preflight_plugin, "device_capacity", lambda device: 4096)  # a 4 KiB device
     n = jn.Nitro(fresh_tiny()(max_epochs=1), logger=None, run_dir=tmp_path)
     with pytest.raises(jn.WontFitError, match=r"needs .* per device .* but cpu:0 cpu has 4.00 KiB .*"
                                               r"precision=\"bfloat16\".*sharding=\"fsdp\".*remat=True.*accum=N.*"
