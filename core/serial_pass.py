@@ -105,12 +105,20 @@ def check_past_end(
     and grain adapters do), or returns an empty or partial batch (a slice past its rows, a
     partial final batch that ``len()`` drops), and any exception counts as "no batch": so a
     ``len()`` one short of the batches is caught unless the batch it hides is partial (then it
-    cannot be told from a dropped remainder). ``batch_at`` is called once, in the caller's
-    thread, while the epoch's plan (``begin_epoch``) is still the pass's."""
+    cannot be told from a dropped remainder). A source that can tell its ``len()`` hides data
+    (the torch and grain adapters, whose dataset serves the index at its own length) raises
+    ``SourceLengthError.hidden`` from ``batch_at(n)``: raised again here naming ``split``.
+    ``batch_at`` is called once, in the caller's thread, while the epoch's plan
+    (``begin_epoch``) is still the pass's."""
     if not width:
         return
     try:
         extra = batch_at(n)
+    except SourceLengthError as err:  # the source knows its len() hides data (an adapter)
+        detail = getattr(err, "detail", None)
+        if detail is None:
+            raise
+        raise SourceLengthError.hidden(split, n, epoch, detail, err.fix, when) from None
     except Exception:  # noqa: BLE001 - the end of the batches, as the contract says
         return
     rows = batch_rows(extra)

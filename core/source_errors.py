@@ -108,6 +108,28 @@ class SourceLengthError(PrefetchError, ValueError):
         err.split, err.length, err.count = split, length, length + 1
         return err
 
+    @classmethod
+    def hidden(
+        cls, split: str | None, length: int, epoch: int, detail: str, fix: str, when: str = ""
+    ) -> SourceLengthError:
+        """A source that knows its ``len()`` hides data says so from ``batch_at(length)`` (an
+        adapter whose dataset serves an index at its own length): ``detail`` says what it found,
+        ``fix`` what to change. Raised with ``split`` None by the source; the core's check one
+        past the end (``jaxnitro.serial_pass.check_past_end``) raises it again naming the split."""
+        err = cls.__new__(cls)
+        where = f"the `{split}` split" if split else "a data source"
+        PrefetchError.__init__(
+            err,
+            f"jaxnitro: {where}'s len() is {length}, but {detail} (epoch {epoch}{when}): len() and "
+            f"the data disagree, the data holds more than the {length} batches len() counts, and "
+            f"what lies past them would never be read. Fix: {fix}",
+            index=length,
+            epoch=epoch,
+        )
+        err.split, err.length, err.count = split, length, length + 1
+        err.detail, err.fix = detail, fix
+        return err
+
 
 def failure_error(
     index: int, exc: BaseException, epoch: int, what: str, split: str | None = None,
