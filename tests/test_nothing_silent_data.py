@@ -374,6 +374,13 @@ def test_predict_over_an_addressable_source_with_a_len_one_short_is_refused():
         next(out)
 
 
+def test_check_batch_at_refuses_a_full_batch_past_len():
+    with pytest.raises(ValueError, match=re.escape(
+            "len(source) is 5, but batch_at(5), one past its last batch, returned a full batch (16 rows")):
+        jn.check_batch_at(Addressable(tiny_data()["train"], length=5))
+    jn.check_batch_at(Addressable(tiny_data()["train"]))
+
+
 def lying_rows(n_rows, claimed):
     """Rows ``0..n_rows - 1`` of x/label/y; ``__len__`` says ``claimed``; IndexError past the rows."""
     x, y, oh = make_arrays(n_rows)
