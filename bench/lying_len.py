@@ -13,6 +13,13 @@ split at ``steps_per_dispatch`` 1 and 2, the ``val`` split with and without a ``
     python bench/lying_len.py torch      # only the kinds whose name contains "torch"
 
 The torch and grain kinds are left out when the package is not installed.
+
+Measured (120 cases): before the check one past the end, 35 ended without a word, every
+one a ``len()`` one short over an index-addressable source (a custom one behind each
+wrapper, a ``jn.ArraySource`` subclass, a torch map-style dataset, a grain ``MapDataset``);
+the iterated kinds were refused both ways. After it, none: each is a
+``SourceLengthError`` naming the split (at setup for ``train``/``val``, at the pass's end
+for ``test``).
 """
 
 from __future__ import annotations
