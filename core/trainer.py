@@ -31,7 +31,7 @@ from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import check_loggers, make_loggers
-from .first_step import preflight
+from .first_step import FirstStep, first_step, preflight
 from .plugin_manager import disabled_note, first_result, plugin_manager
 from .source_contract import accessors, is_addressable
 from .progress import phase_start
@@ -332,7 +332,7 @@ class _Run:
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
                 if nitro.plan.programs.memory is None:  # the memory preflight (a plugin) compiles the first step
-                    nitro.plan.programs.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
+                    nitro.plan.programs.memory = preflight(nitro, self.first_step)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
                     self.stop()
@@ -343,6 +343,12 @@ class _Run:
                     return "done"
                 epoch, into = epoch + 1, 0
             return "done"
+
+    def first_step(self) -> FirstStep:
+        """The run's first optimizer step as the dispatcher will run it (for the memory preflight)."""
+        nitro = self.nitro
+        return first_step(nitro.plan, nitro.settings, nitro.state, nitro.device_values, self.train,
+                          self.scheds, self.dispatcher.scale)
 
     def start_position(self) -> tuple[int, int]:
         """``(epoch, steps into it)`` where this ``train()`` starts: from the step for a
@@ -614,7 +620,8 @@ class _Run:
         nitro = self.nitro
         forward_compiles = nitro.plan.programs.forward().traces == 0
         phase_start(self.run_ctx, epoch, "validate", "compiling forward" if forward_compiles else None)
-        metrics = evaluate_split(nitro, "val")
+        metrics, nitro.plan = evaluate_split(nitro.experiment, nitro.plan, nitro.state, nitro.device_values,
+                                             nitro.data["val"], "val")
         emit("jaxnitro_split_evaluated", run=self.run_ctx, split="val", metrics=metrics, context="validate")
         nitro.record.rows[-1].update(metrics)
         monitor = nitro.settings.monitor
