@@ -294,13 +294,13 @@ class Nitro:
         """
         from .device_values import set_device_values
 
-        set_device_values(self, values)
+        set_device_values(self.experiment, self.plan.bindings.device, self.device_values, values)
 
     def device_value(self, name: str):
         """The current value of Device field ``name`` as a host value (NumPy scalar or array)."""
         from .device_values import get_device_value
 
-        return get_device_value(self, name)
+        return get_device_value(self.experiment, self.device_values, name)
 
     # -- display -----------------------------------------------------------------------------
 

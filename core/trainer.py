@@ -214,7 +214,7 @@ class _Run:
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
-        self.scheds = StepValues(nitro, max(run.horizon, 1))
+        self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1))
         self.validated = "val" in nitro.data
         dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
@@ -431,12 +431,7 @@ class _Run:
         # the run that saved the checkpoint there did it
         cut_here = into and (book.closes_row(step, False) or book.boundary(step))
         outcome, handled = Outcome.COMPLETE, step if cut_here else None
-        restored = self.restored is not None and self.restored[0] == epoch  # the pass continues a saved state
-        if restored:  # just before the pass opens (nothing else may start a pass in between)
-            restore(unwrap(self.train), self.restored[1], step)
-        self.restored = None
-        reader = self._reader(epoch, 0 if restored else into * self.accum, step)
-        self.pass_open = (epoch, step)
+        reader, restored = self._open_pass(epoch, into, step)
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 due = book.next_cut(step, last)  # where something the book knows is due
@@ -458,14 +453,7 @@ class _Run:
             reader.close()
             self.publish(leaves, step)
         if outcome is Outcome.EXHAUSTED:  # a stream ended: its epoch is over
-            self.stream_ends[step] = epoch
-            if into == 0 and step == self.epoch_start[epoch]:
-                raise ValueError(
-                    f"jaxnitro: the `train` split (a stream without len()) yielded no batch in epoch "
-                    f"{epoch}: an epoch is one pass over it, so it must be an iterable that can be read "
-                    f"again (a grain IterDataset, a DataLoader, a class whose __iter__ starts a new "
-                    f"pass), not a one-shot generator."
-                )
+            self._stream_ended(epoch, into, step)
             outcome = Outcome.COMPLETE
         if outcome is not Outcome.COMPLETE:
             return outcome  # no row for a partial epoch; its steps are still read and logged
@@ -474,6 +462,30 @@ class _Run:
         # a stream's end is seen one read after its last step: when that step was a cut already,
         # its row, validation and boundary are done; only the epoch's end is left
         return self.at_cut(epoch, step, epoch_done, stop, stats, again=handled == step)
+
+    def _open_pass(self, epoch: int, into: int, step: int):
+        """``(reader, restored)``: ``epoch``'s reader from its step ``into``, and whether the pass
+        continues a stream's saved state (restored here, just before the pass opens: nothing
+        else may start a pass in between)."""
+        restored = self.restored is not None and self.restored[0] == epoch
+        if restored:
+            restore(unwrap(self.train), self.restored[1], step)
+        self.restored = None
+        reader = self._reader(epoch, 0 if restored else into * self.accum, step)
+        self.pass_open = (epoch, step)
+        return reader, restored
+
+    def _stream_ended(self, epoch: int, into: int, step: int) -> None:
+        """The train stream ended at ``step``: ``epoch`` is over. Refuses a pass that yielded no
+        batch (a one-shot generator read a second time)."""
+        self.stream_ends[step] = epoch
+        if into == 0 and step == self.epoch_start[epoch]:
+            raise ValueError(
+                f"jaxnitro: the `train` split (a stream without len()) yielded no batch in epoch "
+                f"{epoch}: an epoch is one pass over it, so it must be an iterable that can be read "
+                f"again (a grain IterDataset, a DataLoader, a class whose __iter__ starts a new "
+                f"pass), not a one-shot generator."
+            )
 
     def _probe_at(self, step: int, reader) -> Outcome:
         """``steps_per_dispatch="auto"``: a probe mark. Every step so far is read (the device
