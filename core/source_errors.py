@@ -60,26 +60,31 @@ class SourceLengthError(PrefetchError, ValueError):
         self.split, self.length, self.count = split, length, count
 
     @classmethod
+    def _made(cls, split: str | None, length: int, count: int, index: int, epoch: int, text: str) -> SourceLengthError:
+        """An error whose message is ``text`` after the split's name (``"'s len() is ..."``),
+        made without :meth:`__init__` (which words the iterated case)."""
+        err = cls.__new__(cls)
+        where = f"the `{split}` split" if split else "a data source"
+        PrefetchError.__init__(err, f"jaxnitro: {where}{text}", index=index, epoch=epoch)
+        err.split, err.length, err.count = split, length, count
+        return err
+
+    @classmethod
     def from_index_error(
         cls, split: str | None, length: int, index: int, epoch: int, exc: BaseException, when: str = ""
     ) -> SourceLengthError:
         """``batch_at(index)`` raised ``IndexError`` for an ``index`` below ``len()``: the
         source's ``len()`` claims batches it does not have (``count`` is ``index``, the most
         it can have). ``when`` says what was reading (setup's check of the last batch)."""
-        err = cls.__new__(cls)
-        where = f"the `{split}` split" if split else "a data source"
-        PrefetchError.__init__(
-            err,
-            f"jaxnitro: {where}'s len() is {length}, but batch_at({index}) raised IndexError "
+        err = cls._made(
+            split, length, index, index, epoch,
+            f"'s len() is {length}, but batch_at({index}) raised IndexError "
             f"({exc}) in epoch {epoch}{when}: len() and the batches disagree, so batches "
             f"0..{length - 1} do not all exist. The epoch length and the schedule horizon are "
             f"computed from len(). Fix: make the source's __len__ return the number of batches "
             f"batch_at serves (with a partial final batch dropped: rows // batch_size), or make "
             f"batch_at serve every index below len().",
-            index=index,
-            epoch=epoch,
         )
-        err.split, err.length, err.count = split, length, index
         err.__cause__ = exc
         return err
 
@@ -91,22 +96,16 @@ class SourceLengthError(PrefetchError, ValueError):
         as the epoch's batches (``width``): the source has more batches than its ``len()``,
         and those past it would never be read (``count`` is ``length + 1``, the fewest it has).
         ``when`` says what was reading (setup's check of the last batch)."""
-        err = cls.__new__(cls)
-        where = f"the `{split}` split" if split else "a data source"
-        PrefetchError.__init__(
-            err,
-            f"jaxnitro: {where}'s len() is {length}, but batch_at({length}), one past its last "
+        return cls._made(
+            split, length, length + 1, length, epoch,
+            f"'s len() is {length}, but batch_at({length}), one past its last "
             f"batch, returned a full batch ({rows} rows, as wide as its batch of {width}) in epoch "
             f"{epoch}{when}: len() and the batches disagree, so at least {length + 1} batches "
             f"exist and those past len() would never be read (an epoch reads batches "
             f"0..{length - 1} only). Fix: make the source's __len__ return the number of batches "
             f"batch_at serves, or make batch_at raise IndexError for i >= len() (a source that "
             f"serves any index, e.g. generated data, must still bound it).",
-            index=length,
-            epoch=epoch,
         )
-        err.split, err.length, err.count = split, length, length + 1
-        return err
 
     @classmethod
     def hidden(
@@ -116,17 +115,12 @@ class SourceLengthError(PrefetchError, ValueError):
         adapter whose dataset serves an index at its own length): ``detail`` says what it found,
         ``fix`` what to change. Raised with ``split`` None by the source; the core's check one
         past the end (``jaxnitro.serial_pass.check_past_end``) raises it again naming the split."""
-        err = cls.__new__(cls)
-        where = f"the `{split}` split" if split else "a data source"
-        PrefetchError.__init__(
-            err,
-            f"jaxnitro: {where}'s len() is {length}, but {detail} (epoch {epoch}{when}): len() and "
+        err = cls._made(
+            split, length, length + 1, length, epoch,
+            f"'s len() is {length}, but {detail} (epoch {epoch}{when}): len() and "
             f"the data disagree, the data holds more than the {length} batches len() counts, and "
             f"what lies past them would never be read. Fix: {fix}",
-            index=length,
-            epoch=epoch,
         )
-        err.split, err.length, err.count = split, length, length + 1
         err.detail, err.fix = detail, fix
         return err
 
