@@ -18,37 +18,8 @@ from .plugin_manager import disabled_note, first_result
 __all__ = ["FLOAT32", "Float32", "precision_policy"]
 
 
-class Float32:
-    """float32 compute, no remat: nothing cast, nothing checkpointed."""
-
-    kept = ()
-
-    def for_params(self, experiment, hooks, params) -> "Float32":
-        return self
-
-    def key(self) -> tuple:
-        return ("precision", "float32", (), False)
-
-    def compiler_options(self) -> None:
-        return None
-
-    def describe(self) -> str:
-        return "float32"
-
-    def describe_remat(self) -> str:
-        return "off"
-
-    def cast_params(self, params):
-        return params
-
-    def cast_inputs(self, fields: dict) -> dict:
-        return fields
-
-    def outputs(self, outputs, new_state, state):
-        return outputs, new_state
-
-    def rematerialized(self, model, fn, inference: bool):
-        return model, fn
+class Float32(PrecisionPolicy):
+    """float32 compute, no remat: nothing cast, nothing checkpointed (the Protocol's own bodies)."""
 
 
 FLOAT32 = Float32()
