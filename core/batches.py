@@ -10,6 +10,7 @@ import numpy as np
 from .contracts import PREFETCHER_MEMBERS, Prefetcher
 from .hookcalls import latest_answers
 from .plugin_manager import first_result
+from .serial_pass import batch_rows, check_past_end
 from .source_contract import adapted, is_addressable
 from .source_errors import SourceLengthError, failure_error
 from .split_wrapper import NoPrefetch
@@ -184,13 +185,21 @@ def split_name(source) -> str:
 
 
 def last_batch(source, epoch: int = 1):
-    """The last batch of an index-addressable source, or None for other sources."""
+    """The last batch of an index-addressable source, or None for other sources.
+
+    Then ``batch_at(len())``, one past it, must serve no batch as wide as the last
+    (:func:`~jaxnitro.serial_pass.check_past_end`): ``SourceLengthError`` naming the split
+    when it does, since the batches past ``len()`` would never be read."""
     src = unwrap(source)
     if isinstance(src, (list, tuple)):
         return src[-1]
     if is_addressable(src):
         src.begin_epoch(epoch)
-        return _read_at(source, len(src) - 1, epoch, "last")
+        n = len(src)
+        last = _read_at(source, n - 1, epoch, "last")
+        check_past_end(src.batch_at, n, batch_rows(last), getattr(source, "split", None), epoch,
+                       when=" (setup's check of its last batch)")
+        return last
     return None
 
 

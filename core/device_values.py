@@ -24,9 +24,11 @@ def _refuse(name: str, case: str) -> None:
     )
 
 
-def set_device_values(nitro, values: dict) -> None:
-    """Validate every value first, then write them all (all or nothing)."""
-    infos = fields_of(nitro.experiment)
+def set_device_values(experiment, scheduled, device_values: dict, values: dict) -> None:
+    """Write ``values`` into ``device_values`` (the handle's Device values, in place), each as
+    a device array of its field's dtype and shape: validate every value first, then write
+    them all (all or nothing). ``scheduled``: the fields a schedule rewrites (refused)."""
+    infos = fields_of(experiment)
     staged = {}
     for name, value in values.items():
         info = infos.get(name)
@@ -35,17 +37,17 @@ def set_device_values(nitro, values: dict) -> None:
             hint = f" Did you mean `{close[0]}`?" if close else ""
             raise KeyError(
                 f"jaxnitro: set_device cannot write `{name}`: it is an unknown name, "
-                f"{type(nitro.experiment).__name__} has no field `{name}`.{hint} Device fields: "
-                f"{sorted(nitro.device_values) or '(none)'}. To add a field, declare it on the "
+                f"{type(experiment).__name__} has no field `{name}`.{hint} Device fields: "
+                f"{sorted(device_values) or '(none)'}. To add a field, declare it on the "
                 f"experiment class and build a new `Nitro`."
             )
         if info.is_graph_const:
             _refuse(name, "it is a GraphConst field, baked into the compiled graph; a new value is a new program.")
         if info.is_host:
             _refuse(name, "it is a Host field, which never reaches the device.")
-        if name in nitro.plan.bindings.device:
+        if name in scheduled:
             _refuse(name, "it is scheduled; the schedule rewrites it every step.")
-        current = nitro.device_values[name]
+        current = device_values[name]
         try:
             new = convert_exactly(value, current.dtype)
         except ConversionRefused as err:
@@ -70,15 +72,15 @@ def set_device_values(nitro, values: dict) -> None:
             )
         staged[name] = new
     for name, new in staged.items():
-        nitro.device_values[name] = jax.device_put(new)
+        device_values[name] = jax.device_put(new)
 
 
-def get_device_value(nitro, name: str):
-    """The host value (NumPy scalar or array) of Device field ``name``."""
-    if name not in nitro.device_values:
+def get_device_value(experiment, device_values: dict, name: str):
+    """The host value (NumPy scalar or array) of Device field ``name`` in ``device_values``."""
+    if name not in device_values:
         raise KeyError(
-            f"jaxnitro: `{name}` is not a Device field of {type(nitro.experiment).__name__}; Device "
-            f"fields: {sorted(nitro.device_values) or '(none)'}."
+            f"jaxnitro: `{name}` is not a Device field of {type(experiment).__name__}; Device "
+            f"fields: {sorted(device_values) or '(none)'}."
         )
-    value = np.asarray(jax.device_get(nitro.device_values[name]))
+    value = np.asarray(jax.device_get(device_values[name]))
     return value[()] if value.ndim == 0 else value

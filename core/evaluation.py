@@ -9,7 +9,9 @@ padding.
 from __future__ import annotations
 
 import warnings
-import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,7 +22,9 @@ from .metrics import MetricAccumulator, check_metric_entry
 from .source_contract import is_addressable
 from .routing import KEY, KEY_COUNT, KEY_DATA, check_reserved_fields
 
-__all__ = ["evaluate_split", "predict_batch", "make_transfer", "check_eval_splits", "check_metric_names"]
+__all__ = [
+    "evaluate_split", "predict_batch", "FieldReference", "make_transfer", "check_eval_splits", "check_metric_names",
+]
 
 def _device_fields(routes: dict, hooks) -> tuple[str, ...]:
     """The batch fields ``hooks`` declare (``routes``: the plan's), in order, each once."""
@@ -71,11 +75,6 @@ def key_entries(rng) -> dict:
     return {KEY_DATA: rng, KEY_COUNT: np.uint32(0)}
 
 
-def eval_key_entries(nitro) -> dict:
-    """:func:`key_entries` of the handle's run key."""
-    return key_entries(nitro.state.rng)
-
-
 def _width_for(plan, n: int, what: str) -> int:
     """The compiled width a batch of ``n`` rows runs at: the plan's, or, while it has none (a
     handle without data, before its first batch), ``n`` (on several devices: a multiple of
@@ -94,17 +93,15 @@ def _width_for(plan, n: int, what: str) -> int:
     return plan.width
 
 
-def _keep_width(nitro, width: int):
-    """The handle's plan with its compiled width: a handle without one (no data) takes the
-    first batch's, as a new plan (the same programs); returns the handle's plan."""
-    if nitro.plan.width is None:
-        nitro.plan = nitro.plan.replace(width=width)
-    return nitro.plan
+def with_width(plan, width: int):
+    """``plan`` with a compiled width: a plan without one (a handle without data) takes
+    ``width``, the first batch's, as a new plan (the same programs); else ``plan`` itself."""
+    return plan.replace(width=width) if plan.width is None else plan
 
 
-def _check_width(nitro, n: int, what: str) -> None:
-    """Check a batch of ``n`` rows against the handle's compiled width (fixing it when unset)."""
-    _keep_width(nitro, _width_for(nitro.plan, n, what))
+def checked_width(plan, n: int, what: str):
+    """``plan`` with a batch of ``n`` rows checked against its compiled width (fixing it when unset)."""
+    return with_width(plan, _width_for(plan, n, what))
 
 
 def _staged_for_forward(plan, rng, batch, hooks, what: str):
@@ -120,73 +117,123 @@ def _staged_for_forward(plan, rng, batch, hooks, what: str):
     return n, w, inputs
 
 
-def evaluate_split(nitro, split: str) -> dict:
-    """Run ``split`` through the forward program, reduce ``metrics``, finalize.
+def _on_devices(plan, state, device_values: dict):
+    """``(to_device, params, model_state, dev)``: how a staged evaluation batch reaches the
+    devices, and the weights (``state.eval_params``: the EMA when on) and Device values it
+    runs with; on several devices, this process's devices and its rows of the split."""
+    to_device = jax.device_put if stages_on_device() else (lambda b: b)
+    params, model_state, dev = state.eval_params, state.model_state, device_values
+    dist = _dist(plan)
+    if dist is not None:
+        to_device = dist.put_local_batch
+        params, model_state, dev = dist.local((params, model_state, dev))
+    return to_device, params, model_state, dev
+
+
+@dataclass(frozen=True)
+class _SplitPass:
+    """One evaluation pass's per-batch work: the forward program on a staged batch, then its
+    metrics (the device-resident `metrics` program, a host `metrics`, or the default loss
+    metric) added to an accumulator. ``metrics`` never sees padding."""
+
+    e: Any
+    plan: Any
+    rng: Any
+    params: Any
+    model_state: Any
+    dev: Any
+    forward: Any
+    forward_fields: tuple[str, ...]
+    metrics_program: Any
+
+    @classmethod
+    def of(cls, e, plan, rng, params, model_state, dev) -> "_SplitPass":
+        progs, routes = plan.programs, plan.routes
+        forward_fields = _device_fields(routes, ("forward",)) + (
+            (KEY_DATA, KEY_COUNT) if routes["forward"].wants_key else ()
+        )
+        return cls(e, plan, rng, params, model_state, dev, progs.forward(), forward_fields,
+                   progs.metrics() if plan.metrics_on_device else None)
+
+    @property
+    def staged_hooks(self) -> tuple[str, ...]:
+        """The hooks whose fields a batch is staged with (``metrics`` too when it is traced)."""
+        return ("forward", "metrics") if self.plan.metrics_on_device else ("forward",)
+
+    def check_first(self, host_batch: dict, split: str) -> None:
+        """The split's first batch has the fields `forward` and `metrics` (or `loss`) require."""
+        routes = self.plan.routes
+        for h in ("forward", "metrics" if "metrics" in self.plan.hooks else "loss"):
+            if h in routes:
+                routes[h].check(host_batch.keys(), f"the `{split}` split's first batch")
+
+    def add(self, acc: MetricAccumulator, n: int, w: int, host_batch: dict, inputs: dict) -> None:
+        """Run one staged batch (``n`` real rows of ``w``) and add its metrics to ``acc``."""
+        routes = self.plan.routes
+        # the forward program sees exactly forward's fields, as in predict: one program for both
+        outputs = self.forward.jitted(self.params, self.model_state, self.dev, {f: inputs[f] for f in self.forward_fields})
+        if self.metrics_program is not None:
+            fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()} if n < w else inputs
+            res = jax.device_get(self.metrics_program.jitted(self.dev, slice_outputs(outputs, n, w), fields))
+            modes = self.metrics_program.meta["modes"]
+            acc.add({k: (v, c if modes[k] == "count" else modes[k]) for k, (v, c) in res.items()})
+            return
+        host_out = slice_outputs(jax.device_get(outputs), n, w)
+        hooks = self.plan.hooks
+        if "metrics" in hooks:
+            acc.add(hooks["metrics"].function(self.e, host_out, **routes["metrics"].select(host_batch)))
+        elif "loss" in hooks:  # the default metric: the loss, count 1 (a mean over batches)
+            loss_batch = host_batch
+            if routes["loss"].wants_key:
+                loss_batch = {**host_batch, KEY: jax.random.fold_in(self.rng, 0)}
+            value = hooks["loss"].function(self.plan.programs.view(self.dev), host_out, **routes["loss"].select(loss_batch))
+            acc.add({"loss": (np.asarray(value), 1)})
+
+
+def evaluate_split(e, plan, state, device_values: dict, source, split: str) -> tuple[dict, Any]:
+    """Run split ``split`` (its wrapped source ``source``) through the forward program with
+    ``state``'s eval weights and model state and ``device_values``; reduce ``metrics``,
+    finalize. Returns ``(metrics, plan)``: what ``finalize_metrics`` returned, and ``plan``
+    with its compiled width (a plan without one takes the first batch's: :func:`with_width`).
 
     Each batch is padded to the compiled width and staged (by the split's
     prefetcher) for the forward program; outputs and routed batch fields are
     sliced back to the real rows before ``metrics`` sees them.
     """
-    e, progs, dev = nitro.experiment, nitro.plan.programs, nitro.device_values
-    forward = progs.forward()
-    device_metrics = nitro.plan.metrics_on_device
-    metrics_prog = progs.metrics() if device_metrics else None
-    metrics_fn = nitro.plan.hooks["metrics"].function if "metrics" in nitro.plan.hooks else None
-    staged_hooks = ("forward", "metrics") if device_metrics else ("forward",)
-    forward_fields = _device_fields(nitro.plan.routes, ("forward",)) + (
-        (KEY_DATA, KEY_COUNT) if nitro.plan.routes["forward"].wants_key else ()
-    )
-    to_device = jax.device_put if stages_on_device() else (lambda b: b)
-    dist = _dist(nitro.plan)
-    params, model_state = nitro.state.eval_params, nitro.model_state
-    if dist is not None:  # this process's devices; its rows of the split
-        to_device = dist.put_local_batch
-        params, model_state, dev = dist.local((params, model_state, dev))
-    plan, rng = nitro.plan, nitro.state.rng
+    to_device, params, model_state, dev = _on_devices(plan, state, device_values)
+    one = _SplitPass.of(e, plan, state.rng, params, model_state, dev)
 
     def stage(batch):
         nonlocal plan
-        n, w, inputs = _staged_for_forward(plan, rng, batch, staged_hooks, f"a batch of split `{split}`")
-        plan = _keep_width(nitro, w)
+        n, w, inputs = _staged_for_forward(plan, state.rng, batch, one.staged_hooks, f"a batch of split `{split}`")
+        plan = with_width(plan, w)
         return n, w, batch, to_device(inputs)
 
     acc = MetricAccumulator()
-    first = True
-    for n, w, host_batch, inputs in nitro.data[split].epoch(0, stage):
-        if first:
-            for h in ("forward", "metrics" if metrics_fn is not None else "loss"):
-                if h in nitro.plan.routes:
-                    nitro.plan.routes[h].check(host_batch.keys(), f"the `{split}` split's first batch")
-            first = False
-        # the forward program sees exactly forward's fields, as in predict: one program for both
-        outputs = forward.jitted(params, model_state, dev, {f: inputs[f] for f in forward_fields})
-        if device_metrics:
-            fields = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()} if n < w else inputs
-            res = jax.device_get(metrics_prog.jitted(dev, slice_outputs(outputs, n, w), fields))
-            modes = metrics_prog.meta["modes"]
-            acc.add({k: (v, c if modes[k] == "count" else modes[k]) for k, (v, c) in res.items()})
-            continue
-        host_out = slice_outputs(jax.device_get(outputs), n, w)
-        if metrics_fn is not None:
-            acc.add(metrics_fn(e, host_out, **nitro.plan.routes["metrics"].select(host_batch)))
-        elif "loss" in nitro.plan.hooks:  # the default metric: the loss, count 1 (a mean over batches)
-            loss_batch = host_batch
-            if nitro.plan.routes["loss"].wants_key:
-                loss_batch = {**host_batch, KEY: jax.random.fold_in(nitro.state.rng, 0)}
-            value = nitro.plan.hooks["loss"].function(progs.view(dev), host_out, **nitro.plan.routes["loss"].select(loss_batch))
-            acc.add({"loss": (np.asarray(value), 1)})
-    if dist is not None and dist.multi_process:  # every process's share, merged in process order
-        shares = dist.allgather_objects((acc, not first))
-        acc = MetricAccumulator.merged([share for share, _ in shares])
-        first = not any(read for _, read in shares)
-    if first:
+    read = False
+    for n, w, host_batch, inputs in source.epoch(0, stage):
+        if not read:
+            one.check_first(host_batch, split)
+            read = True
+        one.add(acc, n, w, host_batch, inputs)
+    acc, read = _merged_across_processes(_dist(plan), acc, read)
+    if not read:
         warnings.warn(
             f"jaxnitro: the `{split}` split yielded no batches, so it has no metrics (the result is "
             f"what finalize_metrics makes of an empty dict). Give the split at least one batch.",
             UserWarning,
             stacklevel=3,
         )
-    return _finalized(nitro.plan, e, acc.result(), split)
+    return _finalized(plan, e, acc.result(), split), plan
+
+
+def _merged_across_processes(dist, acc: MetricAccumulator, read: bool) -> tuple[MetricAccumulator, bool]:
+    """In a multi-process job, every process's share merged in process order (and whether any
+    process read a batch); otherwise ``(acc, read)`` as they are."""
+    if dist is None or not dist.multi_process:
+        return acc, read
+    shares = dist.allgather_objects((acc, read))
+    return MetricAccumulator.merged([share for share, _ in shares]), any(r for _, r in shares)
 
 
 def _finalized(plan, e, reduced: dict, split: str) -> dict:
@@ -212,88 +259,104 @@ def check_metric_names(metrics: dict, split: str) -> None:
         )
 
 
-def predict_batch(nitro, batch):
-    """Forward one batch dict in inference mode; return host outputs sliced to the real rows.
+def predict_batch(plan, state, device_values: dict, reference: "FieldReference", batch) -> tuple[dict, Any]:
+    """Forward one batch dict in inference mode with ``state``'s eval weights and model state
+    and ``device_values``. Returns ``(outputs, plan)``: host outputs sliced to the real rows,
+    and ``plan`` with its compiled width (a plan without one takes this batch's).
 
-    Each field must have the trailing shape and the dtype of the data's batches (or, for a
-    handle without data, of the first predicted batch): see :func:`check_predict_fields`."""
-    route = nitro.plan.routes["forward"]
+    Each field must have the trailing shape and the dtype of ``reference``'s (the data's
+    batches, or, for a handle without data, the first predicted batch): see
+    :meth:`FieldReference.check`."""
+    route = plan.routes["forward"]
     route.check(batch.keys())
     host = {f: np.asarray(batch[f]) for f in route.fields if f in batch}  # only what forward takes
-    check_predict_fields(nitro, host)
-    n, w, inputs = _staged_for_forward(nitro.plan, nitro.state.rng, host, ("forward",), "the prediction batch")
-    _keep_width(nitro, w)
-    params, model_state, dev = nitro.state.eval_params, nitro.model_state, nitro.device_values
-    dist = _dist(nitro.plan)
+    reference.check(host)
+    n, w, inputs = _staged_for_forward(plan, state.rng, host, ("forward",), "the prediction batch")
+    plan = with_width(plan, w)
+    params, model_state, dev = state.eval_params, state.model_state, device_values
+    dist = _dist(plan)
     if dist is not None:  # on this process's devices
         params, model_state, dev = dist.local((params, model_state, dev))
         inputs = dist.put_local_batch(inputs)
     else:
         inputs = jax.device_put(inputs)
-    outputs = nitro.plan.programs.forward().jitted(params, model_state, dev, inputs)
-    return slice_outputs(jax.device_get(outputs), n, w)
+    outputs = plan.programs.forward().jitted(params, model_state, dev, inputs)
+    return slice_outputs(jax.device_get(outputs), n, w), plan
 
 
 # -- predict: the fields' shapes and dtypes ----------------------------------------------------
 
-_field_specs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+class FieldReference:
+    """The trailing shapes and dtypes a handle's prediction batches must have, one per handle.
 
-def _reference_specs(nitro) -> tuple[dict, str] | None:
-    """``({field: (trailing shape, dtype)}, where)`` from the handle's data: the train split's
-    first batch, else the first split that can be read cheaply. None without data."""
-    cached = _field_specs.get(nitro)
-    if cached is not None:
-        return cached
-    order = (["train"] if "train" in nitro.data else []) + [s for s in nitro.data if s != "train"]
-    for split in order:
-        src = nitro.data[split]
-        specs = getattr(src, "first_batch_spec", None)  # recorded by setup's train-split check
-        if specs is None and len(src) and is_addressable(unwrap(src)):  # never start a loader here
-            first = peek(src)
-            specs = field_specs(first) if first is not None else None
-        if specs is not None:
-            _field_specs[nitro] = (specs, f"the `{split}` split's batches")
-            return _field_specs[nitro]
-    return None
-
-
-def check_predict_fields(nitro, host: dict) -> None:
-    """Refuse a prediction field whose trailing shape or dtype differs from the data's batches.
-
-    A different trailing shape would fail deep inside JAX; a 1-D row for a 2-D field would
-    be read as several rows; a new dtype would silently compile the forward again. A handle
-    without data records the first predicted batch as the reference.
+    Read from ``data`` (``{split: wrapped source}``) once, when first asked: the train split's
+    first batch, else the first split that can be read cheaply. A handle without such data
+    records the first predicted batch (:meth:`check`) as the reference.
     """
-    ref = _reference_specs(nitro)
-    if ref is None:
-        _field_specs[nitro] = (field_specs(host), "the first predicted batch")
-        return
-    specs, where = ref
-    for f, v in host.items():
-        if f not in specs:
-            continue
-        shape, dtype = specs[f]
-        expected = "(batch" + "".join(f", {d}" for d in shape) + ("" if shape else ",") + ")"
-        if np.ndim(v) == len(shape) and np.shape(v) == shape and len(shape) >= 1:
-            raise ValueError(
-                f"jaxnitro: prediction field `{f}` has shape {np.shape(v)}: one example without the "
-                f"batch dimension ({where} have `{f}` of shape {expected}). It would be read as "
-                f"{np.shape(v)[0]} rows. Fix: add the batch dimension, `{f}[None]` (or "
-                f"`np.expand_dims({f}, 0)`)."
-            )
-        if np.ndim(v) == 0 or np.shape(v)[1:] != shape:
-            raise ValueError(
-                f"jaxnitro: prediction field `{f}` has shape {np.shape(v)}, but {where} have `{f}` of "
-                f"shape {expected}. Pass arrays with the batch dimension first and the same trailing "
-                f"shape as the data."
-            )
-        if v.dtype != dtype:
-            raise TypeError(
-                f"jaxnitro: prediction field `{f}` has dtype {v.dtype}, but {where} have {dtype}; a "
-                f"new dtype would compile the forward program again. Fix: cast it, "
-                f"`{f}.astype(np.{dtype})`."
-            )
+
+    def __init__(self, data: Mapping):
+        self._data = data
+        self._specs: tuple[dict, str] | None = None
+
+    def specs(self) -> tuple[dict, str] | None:
+        """``({field: (trailing shape, dtype)}, where)``, or None (no data read cheaply, nothing
+        predicted yet)."""
+        if self._specs is not None:
+            return self._specs
+        data = self._data
+        order = (["train"] if "train" in data else []) + [s for s in data if s != "train"]
+        for split in order:
+            src = data[split]
+            specs = getattr(src, "first_batch_spec", None)  # recorded by setup's train-split check
+            if specs is None and len(src) and is_addressable(unwrap(src)):  # never start a loader here
+                first = peek(src)
+                specs = field_specs(first) if first is not None else None
+            if specs is not None:
+                self._specs = (specs, f"the `{split}` split's batches")
+                return self._specs
+        return None
+
+    def check(self, host: dict) -> None:
+        """Refuse a prediction field whose trailing shape or dtype differs from the reference's.
+
+        A different trailing shape would fail deep inside JAX; a 1-D row for a 2-D field would
+        be read as several rows; a new dtype would silently compile the forward again. Without
+        a reference, ``host`` (the first predicted batch) becomes it.
+        """
+        ref = self.specs()
+        if ref is None:
+            self._specs = (field_specs(host), "the first predicted batch")
+            return
+        specs, where = ref
+        for f, v in host.items():
+            if f in specs:
+                _check_field(f, v, *specs[f], where)
+
+
+def _check_field(f: str, v, shape: tuple, dtype, where: str) -> None:
+    """Refuse prediction field ``f`` (value ``v``) unless it is batch-first with trailing
+    ``shape`` and of ``dtype`` (``where``: what has that shape, in words)."""
+    expected = "(batch" + "".join(f", {d}" for d in shape) + ("" if shape else ",") + ")"
+    if np.ndim(v) == len(shape) and np.shape(v) == shape and len(shape) >= 1:
+        raise ValueError(
+            f"jaxnitro: prediction field `{f}` has shape {np.shape(v)}: one example without the "
+            f"batch dimension ({where} have `{f}` of shape {expected}). It would be read as "
+            f"{np.shape(v)[0]} rows. Fix: add the batch dimension, `{f}[None]` (or "
+            f"`np.expand_dims({f}, 0)`)."
+        )
+    if np.ndim(v) == 0 or np.shape(v)[1:] != shape:
+        raise ValueError(
+            f"jaxnitro: prediction field `{f}` has shape {np.shape(v)}, but {where} have `{f}` of "
+            f"shape {expected}. Pass arrays with the batch dimension first and the same trailing "
+            f"shape as the data."
+        )
+    if v.dtype != dtype:
+        raise TypeError(
+            f"jaxnitro: prediction field `{f}` has dtype {v.dtype}, but {where} have {dtype}; a "
+            f"new dtype would compile the forward program again. Fix: cast it, "
+            f"`{f}.astype(np.{dtype})`."
+        )
 
 
 # -- setup: the evaluation splits, checked with one batch ------------------------------------------
@@ -376,12 +439,31 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
     nothing runs on the device and nothing compiles. Host-side `metrics` (or the default loss
     metric) and `finalize_metrics` then see zeros of the outputs' shapes and dtypes (numeric
     warnings silenced: their values are never used), and what comes out is checked."""
+    hooks = ("forward", "metrics") if plan.metrics_on_device else ("forward",)
+    n, w, inputs = _staged_for_forward(plan, state.rng, first, hooks, "the `val` split's first batch")
+    outputs = _traced_forward(plan, state, device_values, inputs)
+    acc = MetricAccumulator()
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if plan.metrics_on_device:
+            sliced = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()}
+            acc.add(_traced_device_metrics(plan, device_values, slice_outputs(_zeros_like(outputs), n, w), sliced))
+        else:
+            host_out = slice_outputs(_zeros_like(outputs), n, w)
+            if "metrics" in plan.hooks:
+                acc.add(plan.hooks["metrics"].function(e, host_out, **plan.routes["metrics"].select(first)))
+            elif "loss" in plan.hooks:
+                acc.add({"loss": (_traced_loss(plan, device_values, host_out, first, state.rng), 1)})
+        final = _finalized(plan, e, acc.result(check_counts=False), "val")
+    if monitor is not None:
+        _check_monitored_in(final, monitor[0])
+
+
+def _traced_forward(plan, state, device_values: dict, inputs: dict):
+    """``jax.eval_shape`` of the forward program (inference mode) on ``inputs``' forward fields."""
     from .programs import with_key
 
     progs = plan.programs
-    on_device = plan.metrics_on_device
-    hooks = ("forward", "metrics") if on_device else ("forward",)
-    n, w, inputs = _staged_for_forward(plan, state.rng, first, hooks, "the `val` split's first batch")
     forward_fields = set(plan.routes["forward"].fields) | {KEY_DATA, KEY_COUNT}
 
     def forward(params, model_state, dev, batch):
@@ -389,47 +471,48 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
         return outputs
 
     batch = {k: v for k, v in inputs.items() if k in forward_fields}
-    outputs = jax.eval_shape(forward, state.params, state.model_state, device_values, batch)
-    acc = MetricAccumulator()
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        if on_device:
-            sliced = {k: v if k in (KEY_DATA, KEY_COUNT) else v[:n] for k, v in inputs.items()}
+    return jax.eval_shape(forward, state.params, state.model_state, device_values, batch)
 
-            modes: dict = {}
 
-            def device_metrics(dev, outputs, batch):  # as the metrics program: modes kept aside
-                view = progs.view(dev)
-                res = plan.hooks["metrics"].function(view, outputs, **plan.routes["metrics"].select(with_key(batch)))
-                if not isinstance(res, dict):
-                    return res  # refused by the accumulator below, naming the hook
-                values = {}
-                for name, entry in res.items():
-                    modes[name] = check_metric_entry(name, entry)
-                    values[name] = entry[0]
-                return values
+def _traced_device_metrics(plan, device_values: dict, outputs, batch: dict):
+    """What a device-resident `metrics` adds to an accumulator on ``outputs`` (zeros) and
+    ``batch``, traced with ``jax.eval_shape``: zeros for the values, each with its mode (a
+    counted metric's count is 1: zeros would be "a total count of 0", a refusal of a count
+    this check never computed); a result that is not a dict as it is (the accumulator refuses it)."""
+    from .programs import with_key
 
-            res = jax.eval_shape(device_metrics, device_values, slice_outputs(_zeros_like(outputs), n, w), sliced)
-            # zeros for the values; a counted metric's count is 1 (zeros would be "a total count
-            # of 0", a refusal of a count this check never computed), a mode stays its name
-            acc.add(
-                {k: (v, 1 if modes[k] == "count" else modes[k]) for k, v in _zeros_like(res).items()}
-                if isinstance(res, dict) else res
-            )
-        else:
-            host_out = slice_outputs(_zeros_like(outputs), n, w)
-            if "metrics" in plan.hooks:
-                acc.add(plan.hooks["metrics"].function(e, host_out, **plan.routes["metrics"].select(first)))
-            elif "loss" in plan.hooks:
-                def loss(dev, out, rng):
-                    batch = {**first, KEY: jax.random.fold_in(rng, 0)} if plan.routes["loss"].wants_key else first
-                    return plan.hooks["loss"].function(progs.view(dev), out, **plan.routes["loss"].select(batch))
+    progs = plan.programs
+    modes: dict = {}
 
-                acc.add({"loss": (_zeros_like(jax.eval_shape(loss, device_values, host_out, state.rng)), 1)})
-        final = _finalized(plan, e, acc.result(check_counts=False), "val")
-    if monitor is None:
-        return
-    name = monitor[0]
+    def device_metrics(dev, outputs, batch):  # as the metrics program: modes kept aside
+        res = plan.hooks["metrics"].function(progs.view(dev), outputs, **plan.routes["metrics"].select(with_key(batch)))
+        if not isinstance(res, dict):
+            return res  # refused by the accumulator, naming the hook
+        values = {}
+        for name, entry in res.items():
+            modes[name] = check_metric_entry(name, entry)
+            values[name] = entry[0]
+        return values
+
+    res = jax.eval_shape(device_metrics, device_values, outputs, batch)
+    if not isinstance(res, dict):
+        return res
+    return {k: (v, 1 if modes[k] == "count" else modes[k]) for k, v in _zeros_like(res).items()}
+
+
+def _traced_loss(plan, device_values: dict, host_out, first: dict, rng):
+    """Zeros shaped as the default loss metric of ``host_out`` on batch ``first``, traced."""
+    progs = plan.programs
+
+    def loss(dev, out, rng):
+        batch = {**first, KEY: jax.random.fold_in(rng, 0)} if plan.routes["loss"].wants_key else first
+        return plan.hooks["loss"].function(progs.view(dev), out, **plan.routes["loss"].select(batch))
+
+    return _zeros_like(jax.eval_shape(loss, device_values, host_out, rng))
+
+
+def _check_monitored_in(final: dict, name: str) -> None:
+    """The monitored metric ``name`` is among the `val` split's first metrics, and one number."""
     if name not in final:
         raise KeyError(
             f"jaxnitro: `monitor` names {name!r}, but the `val` split's metrics are {sorted(final)} "

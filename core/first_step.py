@@ -17,6 +17,7 @@ This module reports; it compiles nothing and judges nothing (what fits, what hel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,11 +68,10 @@ class FirstStep:
     note: str = ""
 
 
-def _first_batch(nitro) -> dict:
-    """A train batch (zeros of the first batch's fields, which setup recorded: the source is not
-    read again, a stream not restarted), staged as the loop stages a one-step dispatch."""
-    plan = nitro.plan
-    train = nitro.data["train"]
+def _first_batch(plan, train, rng) -> dict:
+    """A batch of split ``train`` (zeros of the first batch's fields, which setup recorded: the
+    source is not read again, a stream not restarted), staged as the loop stages a one-step
+    dispatch (with the key entries of the run's key ``rng`` when a hook declares ``key``)."""
     specs = getattr(train, "first_batch_spec", None)
     if specs is None:
         first = peek(train)
@@ -79,28 +79,31 @@ def _first_batch(nitro) -> dict:
         first = {f: np.zeros((plan.width, *shape), dtype) for f, (shape, dtype) in specs.items()}
     batch = make_transfer(plan, TRAIN_HOOKS)(first)
     if any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes):
-        batch = {**batch, KEY_DATA: nitro.state.rng, KEY_COUNT: np.uint32(0)}
+        batch = {**batch, KEY_DATA: rng, KEY_COUNT: np.uint32(0)}
     return batch
 
 
-def _dev_values(nitro, scheds) -> dict:
+def _dev_values(plan, device_values: dict, step: int, scheds) -> dict:
+    """The Device values the first dispatch passes at ``step`` (a scheduled field: its host scalar)."""
     if scheds is not None:
-        return scheds.dev(nitro.device_values, nitro.step)
-    dev = dict(nitro.device_values)
-    for name in nitro.plan.bindings.device:  # a scheduled field arrives as a host scalar per step
+        return scheds.dev(device_values, step)
+    dev = dict(device_values)
+    for name in plan.bindings.device:  # a scheduled field arrives as a host scalar per step
         dev[name] = np.zeros((), np.dtype(dev[name].dtype))[()]
     return dev
 
 
-def _hypers_and_scale(nitro, scheds):
-    dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
-    scale = jax.device_put(np.float32(1.0 / nitro.settings.accum))
+def _hypers_and_scale(plan, accum: int, step: int, scheds):
+    """``(hypers, scale)`` of the first dispatch at ``step``: the hyperparameter vector (the
+    schedules' row, else ``plan``'s base vector) and ``1/accum``, placed as the loop places them."""
+    dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
+    scale = jax.device_put(np.float32(1.0 / accum))
     if dist is not None:
         scale = dist.replicate(scale)
     if scheds is not None:
-        return scheds.hypers(nitro.step), scale
-    base = nitro.plan.opt_spec.base_vector(nitro.plan.base_lr)
-    if nitro.plan.bindings.opt:  # scheduled: a host row per step
+        return scheds.hypers(step), scale
+    base = plan.opt_spec.base_vector(plan.base_lr)
+    if plan.bindings.opt:  # scheduled: a host row per step
         return base, scale
     vector = jax.device_put(base)
     return (dist.replicate(vector) if dist is not None else vector), scale
@@ -113,25 +116,25 @@ def _zeros_like(leaves):
     return [jax.numpy.zeros_like(x) for x in leaves]
 
 
-def first_step(nitro, scheds=None, scale=None) -> FirstStep:
-    """``nitro``'s first optimizer step as the loop will dispatch it.
+def first_step(plan, settings, state, device_values: dict, train, scheds=None, scale=None) -> FirstStep:
+    """The first optimizer step of a handle (its ``plan``, ``settings``, ``state``,
+    ``device_values`` and ``train`` split) as the loop will dispatch it.
 
     ``scheds`` (the run's :class:`~jaxnitro.schedules.StepValues`) and ``scale`` are the
-    loop's, when it asks; without them the same avals are rebuilt from the handle.
+    loop's, when it asks; without them the same avals are rebuilt from the handle's values.
     """
-    plan, settings, state = nitro.plan, nitro.settings, nitro.state
     dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
     device = (dist.devices[0] if dist is not None else None) or jax.devices()[0]
     p, s, o = state.leaves()
-    batch = _first_batch(nitro)
+    batch = _first_batch(plan, train, state.rng)
     common = dict(device=device, n_devices=dist.n_devs if dist is not None else 1, params=p, model_state=s, opt_state=o,
                   batch={k: v for k, v in batch.items() if k not in (KEY_DATA, KEY_COUNT)})
     if settings.steps_per_dispatch != "auto" and settings.steps_per_dispatch > 1:  # "auto" starts at 1
         return FirstStep(note="steps_per_dispatch > 1: the block program is compiled at its first dispatch", **common)
     step_prog = plan.programs.train_step(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(state.opt_state))
-    hypers, own_scale = _hypers_and_scale(nitro, scheds)
+    hypers, own_scale = _hypers_and_scale(plan, settings.accum, state.step, scheds)
     scale = own_scale if scale is None else scale
-    dev = _dev_values(nitro, scheds)
+    dev = _dev_values(plan, device_values, state.step, scheds)
     programs, acc = [], None
     if settings.accum > 1:
         programs.append(StepProgram("accumulate", plan.programs.accumulate().jitted, (p, s, dev, batch, None),
@@ -141,12 +144,14 @@ def first_step(nitro, scheds=None, scale=None) -> FirstStep:
     return FirstStep(programs=tuple(programs), **common)
 
 
-def preflight(nitro, scheds=None, scale=None, *, refuse: bool = True, required: bool = False):
-    """The ``jaxnitro_preflight`` answer for ``nitro``'s first step (see :func:`first_step`),
-    or None when no plugin implements the hook (then nothing is built). With ``required``
-    (``jn.memory_report``) no answer is a ``RuntimeError`` naming the ``memory_preflight`` plugin."""
+def preflight(nitro, make_step: Callable[[], FirstStep], *, refuse: bool = True, required: bool = False):
+    """The ``jaxnitro_preflight`` answer for a handle's first step (``make_step()``: see
+    :func:`first_step`; called only when a plugin implements the hook, so nothing is built
+    otherwise), or None when none does. ``nitro`` is only handed on: it is the hook's argument.
+    With ``required`` (``jn.memory_report``) no answer is a ``RuntimeError`` naming the
+    ``memory_preflight`` plugin."""
     if plugin_manager().hook.jaxnitro_preflight.get_hookimpls():
-        report = first_result("jaxnitro_preflight", nitro=nitro, step=first_step(nitro, scheds, scale), refuse=refuse)
+        report = first_result("jaxnitro_preflight", nitro=nitro, step=make_step(), refuse=refuse)
         if report is not None or not required:
             return report
     elif not required:

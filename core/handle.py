@@ -21,14 +21,15 @@ import numpy as np
 from . import knobs as _knobs
 from .sources import batches_of, release_sources
 from .describe import describe
+from .evaluation import FieldReference, evaluate_split, predict_batch
 from .events import emit
 from .history import MetricHistory
-from .inference import export_handle
+from .inference import export_program, inference_program
 from .interrupts import Preempted, stop_signals
 from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
 from .knobs import Settings
-from .first_step import preflight
+from .first_step import first_step, preflight
 from .hookcalls import recording
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
@@ -87,6 +88,7 @@ class Nitro:
             self.plan: Plan = built.plan
             self.state: TrainState = built.state
             self.device_values: dict = built.device_values
+            self._reference = FieldReference(self.data)  # what predicted batches must look like
             self.record = RunRecord()
             self._check_plugin_knobs()
             check_stop()  # a Ctrl-C that a hook swallowed still ends setup
@@ -171,14 +173,14 @@ class Nitro:
         return self._evaluate(split)
 
     def _evaluate(self, split: str) -> dict:
-        from .evaluation import evaluate_split
-
         if split not in self.data:
             raise KeyError(
                 f"jaxnitro: no split {split!r}; this handle's data has {sorted(self.data)}. "
                 f"Return it from `build_data` (or pass it in `data=`) to evaluate it."
             )
-        return evaluate_split(self, split)
+        metrics, self.plan = evaluate_split(self.experiment, self.plan, self.state, self.device_values,
+                                            self.data[split], split)
+        return metrics
 
     def predict(self, batch):
         """Run ``forward`` (inference mode) on new data; outputs are host NumPy arrays.
@@ -192,10 +194,8 @@ class Nitro:
         array is a ``TypeError``.
         """
         emit("jaxnitro_before_verb", nitro=self, verb="predict")
-        from .evaluation import predict_batch
-
         if isinstance(batch, Mapping):
-            return predict_batch(self, batch)
+            return self._predict_one(batch)
         if isinstance(batch, (np.ndarray, jax.Array)) or hasattr(batch, "__array__"):
             fields = self.plan.routes["forward"].fields
             raise TypeError(
@@ -211,7 +211,13 @@ class Nitro:
                 f"jaxnitro: `predict` takes a batch dict or a source of them (an iterable, or a "
                 f"loader a plugin adapts), got {type(batch).__name__}."
             ) from None
-        return (predict_batch(self, b) for b in batches)
+        return (self._predict_one(b) for b in batches)
+
+    def _predict_one(self, batch: Mapping):
+        """One batch dict's host outputs; the handle keeps the plan (its compiled width fixed by
+        the first batch of a handle without data)."""
+        outputs, self.plan = predict_batch(self.plan, self.state, self.device_values, self._reference, batch)
+        return outputs
 
     def export(self, path, *, example=None, device_inputs: bool = False, symbolic_batch: bool = True,
                platforms=None, overwrite: bool = False) -> str:
@@ -231,7 +237,13 @@ class Nitro:
         """
         options = {"example": example, "device_inputs": device_inputs, "symbolic_batch": symbolic_batch,
                    "platforms": platforms, "overwrite": overwrite}
-        return export_handle(self, path, options)
+        with recording(self):  # the exporter that answered is the handle's (print(nitro))
+            program = inference_program(type(self.experiment), self.plan, self.state, self.device_values,
+                                        self._reference, self._keep_plan)
+            return export_program(program, path, options)
+
+    def _keep_plan(self, plan: Plan) -> None:
+        self.plan = plan
 
     def history(self, throughput: bool = False) -> MetricHistory:
         """The run as data: one row per validated epoch (epoch, step, train_loss, metrics).
@@ -282,13 +294,13 @@ class Nitro:
         """
         from .device_values import set_device_values
 
-        set_device_values(self, values)
+        set_device_values(self.experiment, self.plan.bindings.device, self.device_values, values)
 
     def device_value(self, name: str):
         """The current value of Device field ``name`` as a host value (NumPy scalar or array)."""
         from .device_values import get_device_value
 
-        return get_device_value(self, name)
+        return get_device_value(self.experiment, self.device_values, name)
 
     # -- display -----------------------------------------------------------------------------
 
@@ -324,6 +336,7 @@ def memory_report(experiment, **kwargs):
             f"jaxnitro: memory_report needs a `train` split (splits: {sorted(nitro.data)}); the "
             f"preflight compiles the train step. Return one from build_data or pass data=."
         )
-    report = preflight(nitro, refuse=False, required=True)
+    report = preflight(nitro, lambda: first_step(nitro.plan, nitro.settings, nitro.state, nitro.device_values,
+                                                 nitro.data["train"]), refuse=False, required=True)
     nitro.plan.programs.memory = report  # kept with the programs it measured (``nitro.plan.memory``)
     return report

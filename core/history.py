@@ -133,6 +133,89 @@ def best_positions(values: Sequence[Any], mode: str, n: int = 1) -> list[int]:
 
 
 # --------------------------------------------------------------------------
+# building a history: its arguments checked, its columns, its rows
+
+
+def _checked_monitor(monitor: Any) -> tuple[str, str] | None:
+    """``monitor`` as ``(name, mode)``, or None; refuses anything but a pair with a known mode."""
+    if monitor is None:
+        return None
+    if not (isinstance(monitor, (tuple, list)) and len(monitor) == 2):
+        raise ValueError(
+            "MetricHistory: `monitor` must be a pair (name, 'max' | 'min'), "
+            f"got {monitor!r}."
+        )
+    name, mode = monitor
+    if mode not in _MODES:
+        raise ValueError(
+            f"MetricHistory: unknown monitor mode {mode!r} for {name!r}; "
+            "use 'max' (higher is better) or 'min' (lower is better)."
+        )
+    return (str(name), mode)
+
+
+def _columns_of(rows: Sequence[Mapping[str, Any]], monitor: tuple[str, str] | None) -> list[str]:
+    """The history's columns in order: ``epoch, step, train_loss`` (left out for a train_step's
+    ``train_<name>`` columns), the monitored metric, then the others as they first appear.
+    Refuses a row that is not a mapping or lacks ``epoch`` or ``step``."""
+    seen: dict[str, None] = {}
+    for position, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(
+                f"MetricHistory: row {position} is a {type(row).__name__}; "
+                "each row must be a dict of column name to value."
+            )
+        for key in ("epoch", "step"):
+            if key not in row:
+                raise ValueError(
+                    f"MetricHistory: row {position} has no `{key}` "
+                    f"(it has {', '.join(map(str, row)) or 'no keys'}); "
+                    "every row needs `epoch` and `step`."
+                )
+        for key in row:
+            seen.setdefault(str(key), None)
+    columns = list(_FIXED)
+    if "train_loss" not in seen and any(c.startswith("train_") for c in seen):
+        columns.remove("train_loss")  # a train_step's train_<name> columns instead
+    if monitor is not None and monitor[0] in seen and monitor[0] not in columns:
+        columns.append(monitor[0])
+    return columns + [c for c in seen if c not in columns]
+
+
+def _cell(value: Any, column: str, scalar: bool, position: int) -> Any:
+    """Row ``position``'s value in ``column``, checked: ``epoch`` and ``step`` integers,
+    ``train_loss`` a float (missing: NaN), a missing scalar metric NaN."""
+    if column in ("epoch", "step"):
+        return _as_int(value, column, position)
+    if column == "train_loss":
+        if value is not None and not _is_number(value):
+            raise ValueError(
+                f"MetricHistory: row {position} has train_loss={value!r}; "
+                "it must be a number (NaN allowed)."
+            )
+        return float("nan") if value is None else float(value)
+    if value is None and scalar:
+        return float("nan")
+    return value
+
+
+def _normalized_rows(raw: list[dict[str, Any]], columns: list[str], scalar: dict[str, bool]) -> list[dict[str, Any]]:
+    """Each row with every column (:func:`_cell`); refuses epochs that do not increase."""
+    normalized: list[dict[str, Any]] = []
+    previous: int | None = None
+    for position, r in enumerate(raw):
+        out = {c: _cell(r.get(c), c, scalar[c], position) for c in columns}
+        if previous is not None and out["epoch"] <= previous:
+            raise ValueError(
+                f"MetricHistory: epochs must increase row by row; row {position} has "
+                f"epoch {out['epoch']} after epoch {previous}."
+            )
+        previous = out["epoch"]
+        normalized.append(out)
+    return normalized
+
+
+# --------------------------------------------------------------------------
 # the history
 
 
@@ -223,75 +306,14 @@ class MetricHistory:
         total_epochs: int | None = None,
         resumed_from: int | None = None,
     ) -> None:
-        if monitor is not None:
-            if not (isinstance(monitor, (tuple, list)) and len(monitor) == 2):
-                raise ValueError(
-                    "MetricHistory: `monitor` must be a pair (name, 'max' | 'min'), "
-                    f"got {monitor!r}."
-                )
-            name, mode = monitor
-            if mode not in _MODES:
-                raise ValueError(
-                    f"MetricHistory: unknown monitor mode {mode!r} for {name!r}; "
-                    "use 'max' (higher is better) or 'min' (lower is better)."
-                )
-            monitor = (str(name), mode)
-
-        seen: dict[str, None] = {}
-        for position, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise TypeError(
-                    f"MetricHistory: row {position} is a {type(row).__name__}; "
-                    "each row must be a dict of column name to value."
-                )
-            for key in ("epoch", "step"):
-                if key not in row:
-                    raise ValueError(
-                        f"MetricHistory: row {position} has no `{key}` "
-                        f"(it has {', '.join(map(str, row)) or 'no keys'}); "
-                        "every row needs `epoch` and `step`."
-                    )
-            for key in row:
-                seen.setdefault(str(key), None)
-
-        columns = list(_FIXED)
-        if "train_loss" not in seen and any(c.startswith("train_") for c in seen):
-            columns.remove("train_loss")  # a train_step's train_<name> columns instead
-        if monitor is not None and monitor[0] in seen and monitor[0] not in columns:
-            columns.append(monitor[0])
-        columns += [c for c in seen if c not in columns]
-
+        monitor = _checked_monitor(monitor)
+        columns = _columns_of(rows, monitor)
         raw = [{str(k): _normalize(v) for k, v in row.items()} for row in rows]
         scalar = {
             c: all(r.get(c) is None or _is_number(r[c]) for r in raw) for c in columns
         }
         scalar.update({c: True for c in _FIXED if c in columns})
-
-        normalized: list[dict[str, Any]] = []
-        previous: int | None = None
-        for position, r in enumerate(raw):
-            out: dict[str, Any] = {}
-            for c in columns:
-                value = r.get(c)
-                if c in ("epoch", "step"):
-                    value = _as_int(value, c, position)
-                elif c == "train_loss":
-                    if value is not None and not _is_number(value):
-                        raise ValueError(
-                            f"MetricHistory: row {position} has train_loss={value!r}; "
-                            "it must be a number (NaN allowed)."
-                        )
-                    value = float("nan") if value is None else float(value)
-                elif value is None and scalar[c]:
-                    value = float("nan")
-                out[c] = value
-            if previous is not None and out["epoch"] <= previous:
-                raise ValueError(
-                    f"MetricHistory: epochs must increase row by row; row {position} has "
-                    f"epoch {out['epoch']} after epoch {previous}."
-                )
-            previous = out["epoch"]
-            normalized.append(out)
+        normalized = _normalized_rows(raw, columns, scalar)
 
         self._init(
             normalized,

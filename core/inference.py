@@ -3,8 +3,9 @@
 The core does not export: ``nitro.export(path, ...)`` builds one frozen
 :class:`InferenceProgram` and asks the ``jaxnitro_export`` hook (``firstresult``) to
 write it; the built-in answer is the ``export`` plugin (``jaxnitro.plugins.export``:
-``jax.export``, ``jn.load_exported``). :func:`export_handle` is that verb's body,
-including the error when no loaded plugin answers.
+``jax.export``, ``jn.load_exported``). :func:`export_program` is that verb's body,
+including the error when no loaded plugin answers; the handle's verb records the answer as
+the handle's (``print(nitro)``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ from typing import Any
 import numpy as np
 
 from .batches import batch_width, field_specs
-from .evaluation import _check_width, _reference_specs, check_predict_fields, eval_key_entries
-from .hookcalls import recording
+from .evaluation import FieldReference, checked_width, key_entries
 from .plugin_manager import disabled_note, first_result
 from .programs import with_key
 
-__all__ = ["InferenceProgram", "inference_program", "export_handle"]
+__all__ = ["InferenceProgram", "inference_program", "export_program"]
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,14 @@ class InferenceProgram:
         return self._signature(example)
 
 
-def _signature_of(nitro) -> Callable[[Mapping | None], tuple[dict, int] | None]:
+def _signature_of(plan, reference: FieldReference, keep_plan: Callable[[Any], None]):
+    """``InferenceProgram.signature`` over ``plan`` and the handle's prediction ``reference``:
+    an ``example`` is checked as predict checks a batch; a plan that gains its compiled width
+    from it is handed to ``keep_plan`` (the handle keeps it, as after its first predict)."""
+
     def signature(example):
-        route = nitro.plan.routes["forward"]
+        nonlocal plan
+        route = plan.routes["forward"]
         if example is not None:
             if not isinstance(example, Mapping):
                 raise TypeError(
@@ -85,15 +90,16 @@ def _signature_of(nitro) -> Callable[[Mapping | None], tuple[dict, int] | None]:
                 )
             route.check(example.keys(), "the `example` batch")
             host = {f: np.asarray(example[f]) for f in route.fields if f in example}
-            check_predict_fields(nitro, host)  # the same checks predict makes (records it on a bare handle)
-            _check_width(nitro, batch_width(host, "the `example` batch"), "the `example` batch")
+            reference.check(host)  # the same checks predict makes (records it on a bare handle)
+            plan = checked_width(plan, batch_width(host, "the `example` batch"), "the `example` batch")
+            keep_plan(plan)
             specs = field_specs(host)
         else:
-            ref = _reference_specs(nitro)
-            if ref is None or nitro.plan.width is None:
+            ref = reference.specs()
+            if ref is None or plan.width is None:
                 return None
             specs = ref[0]
-        return {f: specs[f] for f in route.fields if f in specs}, nitro.plan.width
+        return {f: specs[f] for f in route.fields if f in specs}, plan.width
 
     return signature
 
@@ -106,30 +112,31 @@ def _apply_of(progs) -> Callable[..., Any]:
     return apply
 
 
-def inference_program(nitro) -> InferenceProgram:
-    """The :class:`InferenceProgram` of handle ``nitro`` (its current weights and Device values)."""
-    plan, state = nitro.plan, nitro.state
+def inference_program(experiment_class: type, plan, state, device_values: Mapping, reference: FieldReference,
+                      keep_plan: Callable[[Any], None]) -> InferenceProgram:
+    """The :class:`InferenceProgram` of a handle's ``plan``, its ``state`` (the eval weights, the
+    model state, the run key) and ``device_values`` (see :func:`_signature_of` for ``reference``
+    and ``keep_plan``)."""
     route = plan.routes["forward"]
     return InferenceProgram(
-        experiment_class=type(nitro.experiment),
+        experiment_class=experiment_class,
         fields=tuple(route.fields),
         required=tuple(route.required),
         params=state.eval_params,
-        model_state=nitro.model_state,
+        model_state=state.model_state,
         weights_source="ema" if state.ema is not None else "params",
-        device_values=dict(nitro.device_values),
-        key_entries=eval_key_entries(nitro) if route.wants_key else None,
+        device_values=dict(device_values),
+        key_entries=key_entries(state.rng) if route.wants_key else None,
         graph_values=dict(plan.programs.graph_values),
         _apply=_apply_of(plan.programs),
-        _signature=_signature_of(nitro),
+        _signature=_signature_of(plan, reference, keep_plan),
     )
 
 
-def export_handle(nitro, path, options: dict[str, Any]):
-    """``nitro.export(path, **options)``: the first ``jaxnitro_export`` answer (recorded as the
-    handle's: ``print(nitro)``); ``RuntimeError`` naming the ``export`` plugin when none answers."""
-    with recording(nitro):
-        written = first_result("jaxnitro_export", program=inference_program(nitro), path=path, options=options)
+def export_program(program: InferenceProgram, path, options: dict[str, Any]):
+    """``nitro.export(path, **options)``'s body: the first ``jaxnitro_export`` answer for
+    ``program``; ``RuntimeError`` naming the ``export`` plugin when none answers."""
+    written = first_result("jaxnitro_export", program=program, path=path, options=options)
     if written is None:
         raise RuntimeError(
             "jaxnitro: `nitro.export` found no plugin that exports: the built-in plugin `export` "

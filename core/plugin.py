@@ -52,7 +52,8 @@ distribution.
 * reading a split (what a prefetcher plugin builds on): :class:`SplitWrapper` (a base with
   the :class:`Prefetcher` members, reading serially; subclasses override ``_stream``),
   :class:`EpochStream`, :class:`NoPrefetch` (the core's fallback), the serial pass
-  (:func:`host_items`, :func:`transferred`, :func:`serial`, :func:`skipped`), the source
+  (:func:`host_items`, :func:`transferred`, :func:`serial`, :func:`skipped`;
+  :func:`check_past_end` and :func:`batch_rows`: a full batch one past ``len()``), the source
   contract (:func:`is_addressable`, :func:`accessors`, :func:`adapted`, :func:`length_of`,
   :func:`describe_source`: how messages name a source) and its errors
   (:class:`PrefetchError`, :class:`SourceLengthError`, :func:`failure_error`);
@@ -99,7 +100,7 @@ from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl,
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
 from .logger import identify_logger, scalar_value
 from .optim import HYPERS, ema_of, keypath_of, rule_state_of
-from .serial_pass import host_items, serial, skipped, transferred
+from .serial_pass import batch_rows, check_past_end, host_items, serial, skipped, transferred
 from .source_contract import accessors, adapted, check_epoch, is_addressable, length_of
 from .source_contract import describe as describe_source
 from .source_errors import PrefetchError, SourceLengthError, failure_error
@@ -137,6 +138,7 @@ __all__ = [
     "CACHE_ENV",
     # reading a split (the prefetch plugin builds on these)
     "SplitWrapper", "EpochStream", "NoPrefetch", "host_items", "serial", "skipped", "transferred",
+    "batch_rows", "check_past_end",
     "accessors", "adapted", "describe_source", "is_addressable", "length_of",
     "PrefetchError", "SourceLengthError", "failure_error",
     # the memory preflight

@@ -148,6 +148,35 @@ class FlatProgram:
         return self.program.jitted(leaves(params), leaves(state), *rest)
 
 
+def _block_step(accumulate, train_step, dev, extra, columns, scale, accum: int):
+    """The ``lax.scan`` body of the block program: one optimizer step of the block, its
+    ``accum`` micro-batches (``accum - 1`` accumulate bodies, then the train-step body).
+
+    The carry is ``(param_leaves, state_leaves, opt_leaves)``; the scanned inputs are the
+    step's Device values (over ``dev``), its batches (every field ``[accum, ...]``, or the
+    row numbers ``ROWS`` into ``columns``) and its hyperparameters; the output is the
+    step's ``[accum, len(aux_names)]`` scalars. ``extra`` entries join every micro-batch."""
+
+    def body(carry, xs):
+        p, s, o = carry
+        d_step, batch, h = xs
+        d = {**dev, **d_step}
+        acc, auxes = None, []
+        for i in range(accum):
+            micro = {**extra, **{f: v[i] for f, v in batch.items() if f != ROWS}}
+            if ROWS in batch:  # the rows of a column source, gathered here
+                micro.update({f: col[batch[ROWS][i]] for f, col in columns.items()})
+            if i < accum - 1:
+                (acc, aux), s = accumulate(p, s, d, micro, acc)
+                auxes.append(aux)
+            else:
+                p, s, o, aux = train_step(p, s, o, d, micro, acc, scale, h)
+                auxes.append(aux)
+        return (p, s, o), jnp.stack(auxes)
+
+    return body
+
+
 class ProgramSet:
     """The programs of one handle, looked up in the module-level cache.
 
@@ -432,24 +461,7 @@ class ProgramSet:
 
             def train_block(p_leaves, s_leaves, o_leaves, dev, dev_steps, extra, columns, batches, scale, hypers):
                 accum = jax.tree_util.tree_leaves(batches)[0].shape[1]
-
-                def body(carry, xs):
-                    p, s, o = carry
-                    d_step, batch, h = xs
-                    d = {**dev, **d_step}
-                    acc, auxes = None, []
-                    for i in range(accum):
-                        micro = {**extra, **{f: v[i] for f, v in batch.items() if f != ROWS}}
-                        if ROWS in batch:  # the rows of a column source, gathered here
-                            micro.update({f: col[batch[ROWS][i]] for f, col in columns.items()})
-                        if i < accum - 1:
-                            (acc, aux), s = accumulate(p, s, d, micro, acc)
-                            auxes.append(aux)
-                        else:
-                            p, s, o, aux = train_step(p, s, o, d, micro, acc, scale, h)
-                            auxes.append(aux)
-                    return (p, s, o), jnp.stack(auxes)
-
+                body = _block_step(accumulate, train_step, dev, extra, columns, scale, accum)
                 (p, s, o), aux = jax.lax.scan(body, (p_leaves, s_leaves, o_leaves), (dev_steps, batches, hypers))
                 return p, s, o, aux
 

@@ -401,12 +401,12 @@ class StepValues:
     * ``evaluated``: the schedule step values computed so far, all schedules together.
     """
 
-    def __init__(self, nitro, total: int):
-        spec = nitro.plan.opt_spec
+    def __init__(self, plan, device_values: dict, total: int):
+        spec = plan.opt_spec
         self.total = total = max(int(total), 1)
         self.layout = spec.layout
-        self.base = spec.base_vector(nitro.plan.base_lr)
-        bindings = nitro.plan.bindings
+        self.base = spec.base_vector(plan.base_lr)
+        bindings = plan.bindings
         self.constant = not bindings.opt
         self.logged: dict[str, ScheduleLog] = {}
         self.streams: list[ScheduleStream] = []
@@ -438,7 +438,7 @@ class StepValues:
         self.dtypes: dict[str, np.dtype] = {}
         for name, f in bindings.device.items():
             stream = self.device[name] = self._stream(f, f"device/{name}")
-            self.dtypes[name] = np.dtype(nitro.device_values[name].dtype)
+            self.dtypes[name] = np.dtype(device_values[name].dtype)
             if stream.varies:
                 self.logged[f"schedule/{name}"] = ScheduleLog(
                     lambda s, name=name: float(self._dev_row(name, s)), total

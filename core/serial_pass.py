@@ -13,18 +13,23 @@ too and stages its transfers ahead.
 A failure in ``batch_at``, the source's iterator or ``transfer`` is raised as
 a :class:`~jaxnitro.source_errors.PrefetchError` naming the batch; an iterated
 source with ``len()`` that yields another number of batches raises
-:class:`~jaxnitro.source_errors.SourceLengthError` naming the split.
+:class:`~jaxnitro.source_errors.SourceLengthError` naming the split, and so does
+an addressable one that serves a full batch one past ``len()`` at the end of a
+complete pass (:func:`check_past_end`, which the ``prefetch`` plugin's passes
+call too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+import numpy as np
 
 from .source_contract import accessors, length_of
 from .source_errors import SourceLengthError, failure_error
 
-__all__ = ["host_items", "serial", "skipped", "transferred"]
+__all__ = ["batch_rows", "check_past_end", "host_items", "serial", "skipped", "transferred"]
 
 
 def serial(
@@ -63,12 +68,62 @@ def _indexed(source: Any, epoch: int, split: str | None = None, start: int = 0) 
     batch_at, begin = accessors(source)
     begin(epoch)
     n = len(source)
+    width = None
     for i in range(start, n):
         try:
             batch = batch_at(i)
         except Exception as exc:  # noqa: BLE001
             raise failure_error(i, exc, epoch, f"batch_at({i})", split, n)
+        if width is None:
+            width = batch_rows(batch)
         yield i, batch
+    check_past_end(batch_at, n, width, split, epoch)
+
+
+def batch_rows(batch: Any) -> int | None:
+    """The rows of ``batch`` (a dict's first array field's first dimension), or None when it
+    is not a dict or has no array field."""
+    if not isinstance(batch, Mapping):
+        return None
+    for value in batch.values():
+        shape = np.shape(value)
+        if shape:
+            return int(shape[0])
+    return None
+
+
+def check_past_end(
+    batch_at: Callable[[int], Any], n: int, width: int | None, split: str | None, epoch: int,
+    when: str = "",
+) -> None:
+    """After the batches below ``len()`` (``n``) were read: ``batch_at(n)`` must not serve a
+    full batch, one with at least ``width`` rows (the pass's first batch's; None: nothing was
+    read, nothing is checked). Raises :class:`SourceLengthError` naming ``split`` when it does:
+    the source has more batches than ``len()``, and an epoch would never read them.
+
+    A source keeping the contract raises ``IndexError`` there (``jn.ArraySource`` and the torch
+    and grain adapters do), or returns an empty or partial batch (a slice past its rows, a
+    partial final batch that ``len()`` drops), and any exception counts as "no batch": so a
+    ``len()`` one short of the batches is caught unless the batch it hides is partial (then it
+    cannot be told from a dropped remainder). A source that can tell its ``len()`` hides data
+    (the torch and grain adapters, whose dataset serves the index at its own length) raises
+    ``SourceLengthError.hidden`` from ``batch_at(n)``: raised again here naming ``split``.
+    ``batch_at`` is called once, in the caller's thread, while the epoch's plan
+    (``begin_epoch``) is still the pass's."""
+    if not width:
+        return
+    try:
+        extra = batch_at(n)
+    except SourceLengthError as err:  # the source knows its len() hides data (an adapter)
+        detail = getattr(err, "detail", None)
+        if detail is None:
+            raise
+        raise SourceLengthError.hidden(split, n, epoch, detail, err.fix, when) from None
+    except Exception:  # noqa: BLE001 - the end of the batches, as the contract says
+        return
+    rows = batch_rows(extra)
+    if rows is not None and rows >= width:
+        raise SourceLengthError.past_end(split, n, rows, width, epoch, when)
 
 
 def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:

@@ -91,11 +91,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     check_batch_divides(width if "train" in data else None, dist)
     steps.to("building model")
     state, initial, model = _build_model(e, hooks, dist, settings, kwargs.get("weights"), record)
-    device_values = {
-        name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
-        for name, info in fields_of(e).items()
-        if info.is_device
-    }
+    device_values = _device_values(e)
     metrics_on_device = _metrics_on_device(e, hooks, routes, dist)
     emit("jaxnitro_check_traced_code", experiment=e,
          functions=traced_functions(e, hooks, metrics_on_device, _train_metrics_on_host(e, hooks)))
@@ -104,13 +100,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     anchor = None if kwargs.get("w0") == "weights" or state.params is initial else initial
     anchor_from = model.weights_from if kwargs.get("w0") == "weights" else "build_model"
     state, opt = _build_optimizer(e, hooks, model.layout, settings, data, state, anchor)
-    spe = len(data["train"]) // settings.accum if "train" in data and is_sized(data["train"]) else None
-    if "train" in data and spe is None and settings.max_steps is None:
-        raise ValueError(
-            f"jaxnitro: the `train` split is a stream without len() ({type(unwrap(data['train'])).__name__}), "
-            f"so max_epochs cannot bound the run and nothing would end it. Pass `max_steps=N` (the "
-            f"optimizer steps to take), or give the source a __len__."
-        )
+    spe = _steps_per_epoch(data, settings)
     resumed, weights_from = None, model.weights_from
     if record is not None and kwargs.get("weights") is None:  # resume=
         state, resumed, weights_from = install_resume(
@@ -135,6 +125,28 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
 
 
 # -- the steps ------------------------------------------------------------------------
+
+
+def _device_values(e) -> dict:
+    """``{Device field: its value as a device array}`` (converted to the field's dtype)."""
+    return {
+        name: jnp.asarray(to_device_value(type(e).__name__, info, getattr(e, name)))
+        for name, info in fields_of(e).items()
+        if info.is_device
+    }
+
+
+def _steps_per_epoch(data: dict, settings: Settings) -> int | None:
+    """Optimizer steps per epoch of the train split (None: no train split, or a stream without
+    len()); refuses a stream that no ``max_steps`` bounds."""
+    spe = len(data["train"]) // settings.accum if "train" in data and is_sized(data["train"]) else None
+    if "train" in data and spe is None and settings.max_steps is None:
+        raise ValueError(
+            f"jaxnitro: the `train` split is a stream without len() ({type(unwrap(data['train'])).__name__}), "
+            f"so max_epochs cannot bound the run and nothing would end it. Pass `max_steps=N` (the "
+            f"optimizer steps to take), or give the source a __len__."
+        )
+    return spe
 
 
 def _check_call(experiment, kwargs: dict) -> None:

@@ -30,14 +30,17 @@ class PrefetchError(RuntimeError):
 
 
 class SourceLengthError(PrefetchError, ValueError):
-    """An iterated source yielded a different number of batches than its ``len()``.
+    """A source has a different number of batches than its ``len()``.
 
     ``len()`` fixes the epoch length and the schedule horizon, so a source that
     disagrees with it would silently change both. Raised in the consumer's thread
-    when the source ends early (after the batches it did yield were delivered) or
-    yields a batch beyond ``len()``. ``split`` names the split (None when unknown),
-    ``length`` is ``len(source)`` and ``count`` the batches yielded (``length + 1``
-    when it yielded too many).
+    when an iterated source ends early (after the batches it did yield were
+    delivered) or yields a batch beyond ``len()``, and when an index-addressable
+    source's ``batch_at`` raises ``IndexError`` below ``len()``
+    (:meth:`from_index_error`) or serves a full batch at ``len()``
+    (:meth:`past_end`). ``split`` names the split (None when unknown), ``length``
+    is ``len(source)`` and ``count`` the batches it has (``length + 1`` when it
+    has too many).
     """
 
     def __init__(self, split: str | None, length: int, count: int, epoch: int):
@@ -78,6 +81,53 @@ class SourceLengthError(PrefetchError, ValueError):
         )
         err.split, err.length, err.count = split, length, index
         err.__cause__ = exc
+        return err
+
+    @classmethod
+    def past_end(
+        cls, split: str | None, length: int, rows: int, width: int, epoch: int, when: str = ""
+    ) -> SourceLengthError:
+        """``batch_at(length)`` (one past ``len()``) returned a batch of ``rows`` rows, as wide
+        as the epoch's batches (``width``): the source has more batches than its ``len()``,
+        and those past it would never be read (``count`` is ``length + 1``, the fewest it has).
+        ``when`` says what was reading (setup's check of the last batch)."""
+        err = cls.__new__(cls)
+        where = f"the `{split}` split" if split else "a data source"
+        PrefetchError.__init__(
+            err,
+            f"jaxnitro: {where}'s len() is {length}, but batch_at({length}), one past its last "
+            f"batch, returned a full batch ({rows} rows, as wide as its batch of {width}) in epoch "
+            f"{epoch}{when}: len() and the batches disagree, so at least {length + 1} batches "
+            f"exist and those past len() would never be read (an epoch reads batches "
+            f"0..{length - 1} only). Fix: make the source's __len__ return the number of batches "
+            f"batch_at serves, or make batch_at raise IndexError for i >= len() (a source that "
+            f"serves any index, e.g. generated data, must still bound it).",
+            index=length,
+            epoch=epoch,
+        )
+        err.split, err.length, err.count = split, length, length + 1
+        return err
+
+    @classmethod
+    def hidden(
+        cls, split: str | None, length: int, epoch: int, detail: str, fix: str, when: str = ""
+    ) -> SourceLengthError:
+        """A source that knows its ``len()`` hides data says so from ``batch_at(length)`` (an
+        adapter whose dataset serves an index at its own length): ``detail`` says what it found,
+        ``fix`` what to change. Raised with ``split`` None by the source; the core's check one
+        past the end (``jaxnitro.serial_pass.check_past_end``) raises it again naming the split."""
+        err = cls.__new__(cls)
+        where = f"the `{split}` split" if split else "a data source"
+        PrefetchError.__init__(
+            err,
+            f"jaxnitro: {where}'s len() is {length}, but {detail} (epoch {epoch}{when}): len() and "
+            f"the data disagree, the data holds more than the {length} batches len() counts, and "
+            f"what lies past them would never be read. Fix: {fix}",
+            index=length,
+            epoch=epoch,
+        )
+        err.split, err.length, err.count = split, length, length + 1
+        err.detail, err.fix = detail, fix
         return err
 
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import structlog
 
-from .batches import is_sized, unwrap
+from .batches import unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
 from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
@@ -31,15 +31,15 @@ from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import check_loggers, make_loggers
-from .first_step import preflight
+from .first_step import FirstStep, first_step, preflight
 from .plugin_manager import disabled_note, first_result, plugin_manager
 from .source_contract import accessors, is_addressable
 from .progress import phase_start
 from .reads import StepReads, step_scalars
 from .routing import KEY_DATA
+from .position import TrainPosition
 from .schedules import StepValues
 from .sources import release_sources
-from .stream_state import capture, is_stateful, restore, saved_state
 
 __all__ = ["run_training", "new_run_folder", "hold_run_folder", "READ_EVERY", "step_scalars"]
 
@@ -203,18 +203,13 @@ class _Run:
         phase_start(run, nitro.epoch + 1, "train", "preparing")  # schedules, programs, streams
         self.train = nitro.data["train"]
         self.accum = accum = nitro.settings.accum
-        self.sized = is_sized(self.train)  # a stream (no len()) ends its epochs when it ends
-        self.addressable = is_addressable(unwrap(self.train))
-        # a stream that records and restores its iterator state (a checkpoint holds it)
-        self.stateful = is_stateful(unwrap(self.train), self.addressable)
-        self.pass_open = None  # (epoch, step) where the train stream's current pass opened
-        self.restored = None  # (epoch, saved state): that epoch's pass continues from the state
-        self.steps_per_epoch = len(self.train) // accum if self.sized else None
+        self.position = TrainPosition(self.train, accum)  # where the data is: epochs, passes, a stream's state
+        self.steps_per_epoch = self.position.steps_per_epoch
         periods = [p for p in plugin_manager().hook.jaxnitro_step_period(run=run) if p is not None]
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
-        self.scheds = StepValues(nitro, max(run.horizon, 1))
+        self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1))
         self.validated = "val" in nitro.data
         dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
@@ -242,8 +237,6 @@ class _Run:
             self.reads.resume_open_row(resumed.open_row)
         run.open_row = self.reads.open_row
         run.data_position = self.data_position
-        self.epoch_start = {}  # epoch -> the step before its first (a stream's position)
-        self.stream_ends = {}  # a stream's epoch ends: step -> epoch
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 
     def _block_program(self):
@@ -326,13 +319,15 @@ class _Run:
         cuts, by :meth:`stop`."""
         with deferring() as stop:
             nitro, book = self.nitro, self.book
-            epoch, into = self.start_position()
+            resumed = nitro.plan.resumed
+            meta = nitro.plan.weights_meta if resumed is not None and resumed.step == nitro.step else None
+            epoch, into = self.position.start(book, nitro.step, nitro.epoch, meta)
             while nitro.step < book.total:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
                 if nitro.plan.programs.memory is None:  # the memory preflight (a plugin) compiles the first step
-                    nitro.plan.programs.memory = preflight(nitro, self.scheds, self.dispatcher.scale)
+                    nitro.plan.programs.memory = preflight(nitro, self.first_step)
                 outcome = self.train_epoch(epoch, into, stop)
                 if outcome is Outcome.STOPPED or stop.status is not None:
                     self.stop()
@@ -344,73 +339,15 @@ class _Run:
                 epoch, into = epoch + 1, 0
             return "done"
 
-    def start_position(self) -> tuple[int, int]:
-        """``(epoch, steps into it)`` where this ``train()`` starts: from the step for a
-        source with ``len()``; for a stream, from the resumed checkpoint's data position, else
-        the next epoch. Mid-epoch, a stream that saved its iterator state is restored to it
-        (:meth:`resume_stream`); any other stream's first batches are read again and dropped,
-        with a warning."""
+    def first_step(self) -> FirstStep:
+        """The run's first optimizer step as the dispatcher will run it (for the memory preflight)."""
         nitro = self.nitro
-        resumed = nitro.plan.resumed
-        meta = nitro.plan.weights_meta if resumed is not None and resumed.step == nitro.step else None
-        if self.sized:
-            epoch, into = self.book.position(nitro.step)
-        else:
-            position = (meta or {}).get("data_position")
-            if not position:
-                return nitro.epoch + 1, 0
-            epoch, into = int(position["epoch"]), int(position.get("batches_into_epoch", 0)) // self.accum
-            if meta.get("epoch_complete"):
-                return epoch + 1, 0
-        if into and meta is not None and not self.addressable:
-            self.resume_stream(epoch, into, meta)
-        return epoch, into
-
-    def resume_stream(self, epoch: int, into: int, meta: dict) -> None:
-        """Resuming ``into`` steps into ``epoch`` of a stream: restore its saved iterator
-        state, or (none saved, or the source cannot restore one) warn that the epoch is read
-        again from its start and its first batches dropped."""
-        saved, step = saved_state(meta), self.nitro.step
-        if saved is not None and self.stateful:  # setup refused a state of another source type
-            self.restored = (epoch, saved)  # handed to the source as the epoch's pass opens
-            return
-        batches = into * self.accum
-        why = ("its checkpoint holds no iterator state (an older checkpoint, or the source gave none)"
-               if self.stateful else
-               "it restores no iterator state (no iterator_state/restore_iterator)")
-        warnings.warn(
-            f"jaxnitro: the `train` split is a stream without batch_at/begin_epoch and {why}, so "
-            f"resuming at step {step} reads epoch {epoch} from its start again and drops its first "
-            f"{batches} batches before training goes on (the time of reading them, no training). "
-            f"An index-addressable source (batch_at/begin_epoch) starts there at once, and a stream "
-            f"with iterator_state/restore_iterator (jn.GrainStream, jn.TorchStream over a stateful "
-            f"loader) continues from its saved state.",
-            UserWarning, stacklevel=5,
-        )
+        return first_step(nitro.plan, nitro.settings, nitro.state, nitro.device_values, self.train,
+                          self.scheds, self.dispatcher.scale)
 
     def data_position(self, step: int) -> dict:
-        """Where the data is after ``step``: ``{"epoch", "steps_into_epoch", "batches_into_epoch",
-        "epoch_complete"}`` (what a checkpoint records; the epoch is the one ``step`` belongs to)."""
-        if self.sized:
-            spe = self.steps_per_epoch
-            complete = step % spe == 0
-            epoch = step // spe if complete else step // spe + 1
-            into = 0 if complete else step % spe
-        elif step in self.stream_ends:  # a stream's epoch ended at this step
-            epoch, into, complete = self.stream_ends[step], 0, True
-        else:
-            epoch = max((e for e, first in self.epoch_start.items() if first < step), default=self.nitro.epoch)
-            into = step - self.epoch_start.get(epoch, step)
-            complete = False
-        position = {"epoch": epoch, "steps_into_epoch": into, "batches_into_epoch": into * self.accum,
-                    "epoch_complete": complete}
-        if self.stateful and not complete and self.pass_open is not None:
-            pass_epoch, opened = self.pass_open
-            if pass_epoch == epoch and step >= opened:  # the pass in progress (or just closed)
-                state = capture(unwrap(self.train), (step - opened) * self.accum)
-                if state is not None:
-                    position["stream_state"] = state
-        return position
+        """Where the data is after ``step`` (what a checkpoint records: :meth:`TrainPosition.at`)."""
+        return self.position.at(step, self.nitro.epoch)
 
     def train_epoch(self, epoch: int, into: int, stop) -> Outcome:
         """Dispatch ``epoch`` from its step ``into`` (0, or a resumed run's position) to its
@@ -418,19 +355,13 @@ class _Run:
         completed step is published whatever happens."""
         nitro, book, dispatcher, reads = self.nitro, self.book, self.dispatcher, self.reads
         step, last = nitro.step, book.epoch_last(epoch)
-        self.epoch_start[epoch] = step - into
         leaves = nitro.state.leaves()
         dispatcher.wait, t_epoch = 0.0, time.perf_counter()
         # handled: the last cut inside the epoch whose work is done; resumed mid-epoch at a cut,
         # the run that saved the checkpoint there did it
         cut_here = into and (book.closes_row(step, False) or book.boundary(step))
         outcome, handled = Outcome.COMPLETE, step if cut_here else None
-        restored = self.restored is not None and self.restored[0] == epoch  # the pass continues a saved state
-        if restored:  # just before the pass opens (nothing else may start a pass in between)
-            restore(unwrap(self.train), self.restored[1], step)
-        self.restored = None
-        reader = self._reader(epoch, 0 if restored else into * self.accum, step)
-        self.pass_open = (epoch, step)
+        reader, restored = self.position.open_pass(epoch, into, step, lambda index: self._reader(epoch, index, step))
         try:
             while step < last and outcome is Outcome.COMPLETE:
                 due = book.next_cut(step, last)  # where something the book knows is due
@@ -445,21 +376,14 @@ class _Run:
                     outcome = self._probe_at(step, reader)
                 if outcome is Outcome.COMPLETE and step == due < last:  # a cut inside the epoch
                     outcome, handled = self.at_cut(epoch, step, False, stop), step
-            epoch_done = outcome is Outcome.EXHAUSTED or (self.sized and step == epoch * self.steps_per_epoch)
+            epoch_done = outcome is Outcome.EXHAUSTED or self.position.epoch_over(epoch, step)
             if outcome is Outcome.COMPLETE and epoch_done and not restored:
                 reader.drain()  # (a restored pass is shorter than len(): the check does not apply)
         finally:
             reader.close()
             self.publish(leaves, step)
         if outcome is Outcome.EXHAUSTED:  # a stream ended: its epoch is over
-            self.stream_ends[step] = epoch
-            if into == 0 and step == self.epoch_start[epoch]:
-                raise ValueError(
-                    f"jaxnitro: the `train` split (a stream without len()) yielded no batch in epoch "
-                    f"{epoch}: an epoch is one pass over it, so it must be an iterable that can be read "
-                    f"again (a grain IterDataset, a DataLoader, a class whose __iter__ starts a new "
-                    f"pass), not a one-shot generator."
-                )
+            self.position.stream_ended(epoch, into, step)
             outcome = Outcome.COMPLETE
         if outcome is not Outcome.COMPLETE:
             return outcome  # no row for a partial epoch; its steps are still read and logged
@@ -592,7 +516,7 @@ class _Run:
         source = unwrap(self.train)
         if not is_addressable(source):
             return None
-        first = self.epoch_start.get(epoch, 0) + 1
+        first = self.position.epoch_start.get(epoch, 0) + 1
         batch_at, begin_epoch = accessors(source)
         begin_epoch(epoch)
         routes = self.nitro.plan.routes
@@ -614,7 +538,8 @@ class _Run:
         nitro = self.nitro
         forward_compiles = nitro.plan.programs.forward().traces == 0
         phase_start(self.run_ctx, epoch, "validate", "compiling forward" if forward_compiles else None)
-        metrics = evaluate_split(nitro, "val")
+        metrics, nitro.plan = evaluate_split(nitro.experiment, nitro.plan, nitro.state, nitro.device_values,
+                                             nitro.data["val"], "val")
         emit("jaxnitro_split_evaluated", run=self.run_ctx, split="val", metrics=metrics, context="validate")
         nitro.record.rows[-1].update(metrics)
         monitor = nitro.settings.monitor

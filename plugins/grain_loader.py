@@ -43,7 +43,9 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.plugin import PassStates, ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
+from jaxnitro.plugin import (
+    PassStates, ProcessPart, SourceLengthError, as_batch, check_epoch, check_fields, hookimpl, split_by_process,
+)
 
 __all__ = ["GrainSource", "GrainStream"]
 
@@ -81,6 +83,25 @@ def _nodes(ds):
         seen.append(node)
         todo.extend(getattr(node, "parents", ()))
     return seen
+
+
+def _hiding_sources(ds) -> list[tuple[str, int]]:
+    """``(type name, len)`` of each data source at the pipeline's roots (grain's
+    ``SourceMapDataset._source``) that serves ``source[len(source)]``: records past its
+    ``__len__``, which grain (reading ``index % len``) never reads. Any exception there, or a
+    grain whose internals differ, is a no."""
+    found = []
+    for node in _nodes(ds):
+        src = getattr(node, "_source", None) if type(node).__name__ == "SourceMapDataset" else None
+        if src is None:
+            continue
+        try:
+            n = len(src)
+            src[n]
+        except Exception:  # noqa: BLE001 - the end of the source
+            continue
+        found.append((type(src).__name__, n))
+    return found
 
 
 def _is_batched(ds) -> bool:
@@ -201,8 +222,24 @@ class GrainSource:
         self._plan = (epoch, epoch * self._len)
 
     def batch_at(self, i: int) -> dict:
-        """Batch ``i`` (``0 <= i < len(self)``) of the current epoch; else ``IndexError``."""
+        """Batch ``i`` (``0 <= i < len(self)``) of the current epoch; else ``IndexError``.
+
+        ``batch_at(len(self))``, jaxnitro's check one past the end, raises
+        ``SourceLengthError`` instead when a data source at the pipeline's root serves a
+        record at its own ``__len__`` (:func:`_hiding_sources`): grain reads a source modulo
+        its length, so records past it would never be read."""
         if not 0 <= i < self._len:
+            hiding = _hiding_sources(self.dataset) if i == self._len else []
+            if hiding:
+                name, n = hiding[0]
+                raise SourceLengthError.hidden(
+                    None, self._len, self.epoch,
+                    f"its grain pipeline's data source ({name}) still serves a record at its "
+                    f"__len__ of {n} (source[{n}] returned one), while grain reads it modulo that "
+                    f"length",
+                    "make the data source's __len__ return the number of records it serves, or make "
+                    "its __getitem__ raise IndexError for an index >= __len__.",
+                )
             raise IndexError(f"GrainSource: batch {i} out of range [0, {self._len})")
         epoch, offset = self._plan
         return self._batch(epoch, offset, int(i))

@@ -33,7 +33,10 @@ from typing import Any
 import numpy as np
 import structlog
 
-from jaxnitro.plugin import PassStates, ProcessPart, as_batch, check_epoch, check_fields, hookimpl, split_by_process
+from jaxnitro.plugin import (
+    PassStates, ProcessPart, SourceLengthError, as_batch, batch_rows, check_epoch, check_fields, hookimpl,
+    split_by_process,
+)
 
 __all__ = ["DEFAULT_SEED", "TorchSource", "TorchStream"]
 
@@ -241,10 +244,39 @@ class TorchSource:
         self._plan = (epoch, self._order(epoch))
 
     def batch_at(self, i: int) -> dict:
-        """Batch ``i`` (``0 <= i < len(self)``) of the current epoch; else ``IndexError``."""
+        """Batch ``i`` (``0 <= i < len(self)``) of the current epoch; else ``IndexError``.
+
+        ``batch_at(len(self))``, jaxnitro's check one past the end, raises
+        ``SourceLengthError`` instead when the dataset serves a whole batch at its own
+        ``__len__`` (:meth:`_hides_samples`): samples the loader would never read."""
         if not 0 <= i < self._len:
+            if i == self._len and self._hides_samples():
+                n = len(self.dataset)
+                raise SourceLengthError.hidden(
+                    None, self._len, self.epoch,
+                    f"its DataLoader's dataset ({type(self.dataset).__name__}) still serves samples "
+                    f"at and past its __len__ of {n} (dataset[{n}] returned one), while the loader "
+                    f"draws its batches from the first {n} only",
+                    "make the dataset's __len__ return the number of samples __getitem__ serves, or "
+                    "make __getitem__ raise IndexError for an index >= __len__ (a dataset that serves "
+                    "any index, e.g. generated data, must still bound it).",
+                )
             raise IndexError(f"TorchSource: batch {i} out of range [0, {self._len})")
         return self._read(self._plan[1], int(i))
+
+    def _hides_samples(self) -> bool:
+        """Whether the dataset serves a whole batch past its ``__len__``: ``batch_size`` samples
+        from index ``len(dataset)`` on (with ``batch_size=None``, a batch with rows at
+        ``len(dataset)``). Any exception (the ``IndexError`` of a bounded dataset) is a no."""
+        n = len(self.dataset)
+        try:
+            if self.batch_size is None:
+                return bool(batch_rows(_as_batch(self.collate_fn(self.dataset[n]), self.fields, "")))
+            for j in range(n, n + self.batch_size):
+                self.dataset[j]
+        except Exception:  # noqa: BLE001 - the end of the dataset
+            return False
+        return True
 
     def for_process(self, process_index: int, process_count: int) -> "TorchSource":
         """This source as process ``process_index`` of ``process_count`` reads it in a

@@ -6,8 +6,11 @@
 2. The run's ``seed`` governs the order of a source built without its own seed
    (``bind_seed``); an explicit seed wins; a fixed seed stays bitwise reproducible at any
    worker count.
-3. A source whose ``len()`` claims batches it does not have is said to be one, naming the
-   split; a source's error names its split.
+3. A source whose ``len()`` disagrees with its batches is said to be one, naming the split,
+   ``len()`` and the batches seen, in every position (train at k = 1 and 2, val, test, predict,
+   setup) and behind every wrapper: one claiming batches it does not have, one hiding a full
+   batch past ``len()`` (found by the check one past the end), a torch or grain dataset whose
+   ``__len__`` hides data; a source's error (a torch dataset's in ``val`` too) names its split.
 20. A plain iterable that gets one producer where the default would run several is warned
    about once, at setup, naming the split and ``batch_at``/``begin_epoch``.
 
@@ -257,6 +260,177 @@ def test_a_torch_dataset_error_in_val_names_the_split(tmp_path, torch):
     data = {"train": tiny_data()["train"], "val": torch.utils.data.DataLoader(Bad(), batch_size=16)}
     with pytest.raises(PrefetchError, match=r"the `val` split's batch_at\(1\) raised KeyError for batch 1"):
         jn.train(Tiny(max_epochs=1), data=data, logger=None, run_dir=str(tmp_path))
+
+
+# -- 3 (cont.). len() one short of the batches: the check one past the end --------------------------
+
+WRAPS = {
+    "default": lambda s: s,
+    "workers=0": lambda s: jn.PrefetchIterator(s, workers=0),
+    "workers=3": lambda s: jn.PrefetchIterator(s, workers=3),
+    "workers=3, unordered": lambda s: jn.PrefetchIterator(s, workers=3, ordered=False),
+    "NoPrefetch": lambda s: jn.NoPrefetch(s),
+}
+
+
+def short_by_one(n_real):
+    """An addressable source over ``n_real`` full batches whose len() says one fewer."""
+    return Addressable(tiny_data(n_train=16 * n_real)["train"], length=n_real - 1)
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+def test_addressable_len_one_short_is_refused_at_the_end_of_a_pass(tmp_path, wrap):
+    """The `test` split is not read at setup: the pass over it (serial, or the prefetch plugin's
+    ordered or unordered producers) reads batch_at(len()) after its last batch and finds a full one."""
+    d = tiny_data()
+    nitro = jn.train(Tiny(max_epochs=1), data={"train": d["train"], "test": WRAPS[wrap](short_by_one(3))},
+                     logger=None, run_dir=str(tmp_path))
+    with pytest.raises(SourceLengthError) as err:
+        nitro.evaluate("test")
+    msg = str(err.value)
+    assert ("the `test` split's len() is 2, but batch_at(2), one past its last batch, returned a full batch "
+            "(16 rows, as wide as its batch of 16) in epoch 0") in msg
+    assert "at least 3 batches exist" in msg and "make batch_at raise IndexError for i >= len()" in msg
+    assert (err.value.split, err.value.length, err.value.count) == ("test", 2, 3)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_addressable_len_one_short_is_refused_at_setup(split):
+    d = tiny_data()
+    data = {"train": short_by_one(6)} if split == "train" else {"train": d["train"], "val": short_by_one(3)}
+    n = 5 if split == "train" else 2
+    with pytest.raises(SourceLengthError, match=re.escape(
+            f"the `{split}` split's len() is {n}, but batch_at({n}), one past its last batch, returned a "
+            f"full batch (16 rows, as wide as its batch of 16) in epoch {1 if split == 'train' else 0} "
+            f"(setup's check of its last batch)")):
+        jn.Nitro(Tiny(), data=data, logger=None)
+
+
+def test_addressable_len_one_short_is_refused_at_the_epochs_end_with_steps_per_dispatch(tmp_path):
+    """k = 2 over a source whose batch_at(len()) is full only from epoch 1 on (setup reads
+    epoch 1): the pass of epoch 2 finds it, after its steps were dispatched in blocks."""
+    batches = tiny_data()["train"]
+
+    class GrowsInEpoch2(Addressable):
+        def begin_epoch(self, epoch):
+            self.length = 6 if epoch < 2 else 5
+
+    with pytest.raises(SourceLengthError, match=r"the `train` split's len\(\) is 5, but batch_at\(5\).* in epoch 2"):
+        jn.train(Tiny(max_epochs=2), data={"train": GrowsInEpoch2(batches)}, logger=None,
+                 run_dir=str(tmp_path), steps_per_dispatch=2)
+
+
+def test_a_partial_or_empty_batch_past_len_is_not_refused(tmp_path):
+    """A source whose len() drops a partial remainder (batch_at(len()) slices it) or whose
+    batch_at slices past its rows (an empty batch) keeps the contract."""
+    x, y, oh = make_arrays(100)
+
+    class Sliced:
+        def __len__(self):
+            return 100 // 16  # the 4-row remainder is dropped
+
+        def begin_epoch(self, epoch):
+            pass
+
+        def batch_at(self, i):
+            s = slice(16 * i, 16 * (i + 1))
+            return {"x": x[s], "label": oh[s], "y": y[s]}
+
+    assert len(Sliced().batch_at(6)["x"]) == 4 and len(Sliced().batch_at(7)["x"]) == 0
+    n = jn.train(Tiny(max_epochs=2), data={"train": Sliced(), "test": Sliced()}, logger=None, run_dir=str(tmp_path))
+    assert n.state.step == 12 and np.isfinite(n.evaluate("test")["loss"])
+
+
+@pytest.mark.parametrize("split", ["train k=2", "val", "test"])
+def test_iterated_source_with_a_len_one_short_is_refused_in_each_position(tmp_path, split):
+    d = tiny_data()
+
+    class Iterated:
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __len__(self):
+            return len(self.batches) - 1
+
+        def __iter__(self):
+            return iter(self.batches)
+
+    name = split.split()[0]
+    data = {"train": Iterated(d["train"])} if name == "train" else {"train": d["train"], name: Iterated(d["val"])}
+    n = 5 if name == "train" else 2
+    said = re.escape(f"the `{name}` split yielded more than its len() of {n} batches (batch {n} arrived)")
+    with pytest.raises(SourceLengthError, match=said):
+        nitro = jn.train(Tiny(max_epochs=1), data=data, logger=None, run_dir=str(tmp_path),
+                         steps_per_dispatch=2 if name == "train" else 1)
+        nitro.evaluate("test")
+
+
+def test_predict_over_an_addressable_source_with_a_len_one_short_is_refused():
+    d = tiny_data()
+    nitro = jn.Nitro(Tiny(), data=d, logger=None)
+    out = nitro.predict(short_by_one(3))
+    next(out), next(out)  # its 2 batches are predicted; then the check one past the end
+    with pytest.raises(SourceLengthError, match=r"the `predict` split's len\(\) is 2, but batch_at\(2\)"):
+        next(out)
+
+
+def test_check_batch_at_refuses_a_full_batch_past_len():
+    with pytest.raises(ValueError, match=re.escape(
+            "len(source) is 5, but batch_at(5), one past its last batch, returned a full batch (16 rows")):
+        jn.check_batch_at(Addressable(tiny_data()["train"], length=5))
+    jn.check_batch_at(Addressable(tiny_data()["train"]))
+
+
+def lying_rows(n_rows, claimed):
+    """Rows ``0..n_rows - 1`` of x/label/y; ``__len__`` says ``claimed``; IndexError past the rows."""
+    x, y, oh = make_arrays(n_rows)
+
+    class Rows:
+        def __len__(self):
+            return claimed
+
+        def __getitem__(self, i):
+            return {"x": x[i], "label": oh[i], "y": y[i]}
+
+    return Rows
+
+
+def test_torch_dataset_whose_len_hides_samples_is_refused_naming_the_split(tmp_path, torch):
+    Rows = lying_rows(48, 32)
+    Dataset = type("Rows", (Rows, torch.utils.data.Dataset), {})
+    loader = torch.utils.data.DataLoader(Dataset(), batch_size=16)
+    with pytest.raises(SourceLengthError) as err:
+        jn.train(Tiny(max_epochs=1), data={"train": tiny_data()["train"], "val": loader}, logger=None,
+                 run_dir=str(tmp_path))
+    msg = str(err.value)
+    assert ("the `val` split's len() is 2, but its DataLoader's dataset (Rows) still serves samples at and "
+            "past its __len__ of 32 (dataset[32] returned one)") in msg
+    assert "(epoch 0 (setup's check of its last batch))" in msg and "more than the 2 batches len() counts" in msg
+    assert "make the dataset's __len__ return the number of samples __getitem__ serves" in msg
+    # a bounded dataset, and one whose batch_size=None batches are empty past its len, pass
+    ok = torch.utils.data.DataLoader(type("Rows", (lying_rows(48, 48), torch.utils.data.Dataset), {})(), batch_size=16)
+    x = make_arrays(48)[0]
+
+    class Chunks(torch.utils.data.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return {"x": x[16 * i:16 * (i + 1)]}
+
+    for loader in (ok, torch.utils.data.DataLoader(Chunks(), batch_size=None)):
+        src = jn.NoPrefetch(loader)
+        assert sum(1 for _ in src.epoch(0)) == 3
+
+
+def test_grain_source_whose_len_hides_records_is_refused_naming_the_split(tmp_path, grain):
+    ds = grain.MapDataset.source(lying_rows(96, 80)()).batch(16, drop_remainder=True)
+    with pytest.raises(SourceLengthError, match=re.escape(
+            "the `train` split's len() is 5, but its grain pipeline's data source (Rows) still serves a "
+            "record at its __len__ of 80 (source[80] returned one), while grain reads it modulo that length")):
+        jn.train(Tiny(max_epochs=1), data={"train": ds}, logger=None, run_dir=str(tmp_path))
+    bounded = grain.MapDataset.source(lying_rows(96, 96)()).batch(16, drop_remainder=True)
+    assert sum(1 for _ in jn.NoPrefetch(bounded).epoch(0)) == 6
 
 
 # -- 20. one producer where several were meant: said once at setup ---------------------------------

@@ -185,7 +185,7 @@ def saved_for_backward(n) -> int:
     """Bytes JAX keeps from the forward pass for the backward pass of the train step's loss."""
     from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' list form
 
-    progs, batch = n.plan.programs, memory._first_batch(n)
+    progs, batch = n.plan.programs, memory._first_batch(n.plan, n.data["train"], n.state.rng)
     fn = lambda p: progs._loss_and_aux(p, n.state.model_state, n.device_values, batch, {})[0]  # noqa: E731
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, why in saved_residuals(fn, n.state.params)
                if "argument" not in why)
@@ -203,9 +203,9 @@ def test_remat_recomputes_the_blocks_keeps_less_for_the_backward_pass_and_is_bit
     texts = []
     for n in (plain, remat):
         p, s, o = n.state.leaves()
-        hypers, scale = memory._hypers_and_scale(n, None)
+        hypers, scale = memory._hypers_and_scale(n.plan, n.settings.accum, n.step, None)
         prog = n.plan.programs.train_step(n.plan.opt_spec, n.plan.tx, jax.tree_util.tree_structure(n.state.opt_state))
-        texts.append(prog.jitted.lower(p, s, o, n.device_values, memory._first_batch(n), None, scale, hypers).as_text())
+        texts.append(prog.jitted.lower(p, s, o, n.device_values, memory._first_batch(n.plan, n.data["train"], n.state.rng), None, scale, hypers).as_text())
     assert texts[1].count("dot_general") == texts[0].count("dot_general") + 3
     plain.train()
     remat.train()

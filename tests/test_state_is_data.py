@@ -98,3 +98,74 @@ def test_the_settings_hold_the_monitor_of_the_derived_experiment(tmp_path):
     )
     n = jn.Nitro(E(), run_dir=tmp_path, **QUIET)
     assert n.experiment.width == 8 and n.settings.monitor == ("loss", "min")
+
+
+# -- functions below the handle take the narrow values they use (issue 19, item 1) -----------------
+
+
+def test_evaluation_and_prediction_run_on_the_plan_state_and_device_values_without_a_handle(tmp_path):
+    from jaxnitro.evaluation import FieldReference, evaluate_split, predict_batch
+
+    n = jn.Nitro(fresh_tiny("Narrow")(), run_dir=tmp_path, **QUIET)
+    metrics, plan = evaluate_split(n.experiment, n.plan, n.state, n.device_values, n.data["val"], "val")
+    assert plan is n.plan and metrics == n.validate()  # the handle's verb is this call
+    x = tiny_data()["val"][0]["x"]
+    reference = FieldReference(n.data)
+    assert reference.specs() == ({"x": ((8,), np.dtype("float32")), "label": ((4,), np.dtype("float32")),
+                                  "y": ((), np.dtype("int32"))}, "the `train` split's batches")
+    out, plan = predict_batch(n.plan, n.state, n.device_values, reference, {"x": x[:5]})
+    assert plan is n.plan and out.shape == (5, 4)
+    np.testing.assert_array_equal(out, n.predict({"x": x[:5]}))
+    with pytest.raises(TypeError, match=r"prediction field `x` has dtype float64, but the `train` split's batches"):
+        predict_batch(n.plan, n.state, n.device_values, reference, {"x": x[:5].astype(np.float64)})
+
+
+def test_a_bare_handles_field_reference_is_its_first_predicted_batch(tmp_path):
+    from jaxnitro.evaluation import FieldReference
+
+    reference = FieldReference({})
+    assert reference.specs() is None
+    reference.check({"x": np.zeros((3, 2, 5), np.float32)})
+    assert reference.specs() == ({"x": ((2, 5), np.dtype("float32"))}, "the first predicted batch")
+    with pytest.raises(ValueError, match=r"shape \(2, 5\): one example without the batch dimension \(the first "
+                                         r"predicted batch have `x` of shape \(batch, 2, 5\)\)"):
+        reference.check({"x": np.zeros((2, 5), np.float32)})
+
+
+# -- the data position: one typed object the loop owns ----------------------------------------------
+
+
+class _Stream:
+    """A stream without len(): three batches per pass."""
+
+    def __iter__(self):
+        return iter(tiny_data()["train"][:3])
+
+
+def test_the_train_position_of_a_sized_split_is_its_step():
+    from jaxnitro.batches import wrap_split
+    from jaxnitro.position import TrainPosition
+
+    pos = TrainPosition(wrap_split(tiny_data()["train"], "train"), accum=2)  # 6 batches: 3 steps an epoch
+    assert (pos.sized, pos.addressable, pos.stateful, pos.steps_per_epoch) == (True, True, False, 3)
+    assert pos.at(4, epoch=0) == {"epoch": 2, "steps_into_epoch": 1, "batches_into_epoch": 2, "epoch_complete": False}
+    assert pos.at(6, epoch=0) == {"epoch": 2, "steps_into_epoch": 0, "batches_into_epoch": 0, "epoch_complete": True}
+    assert pos.epoch_over(2, 6) and not pos.epoch_over(2, 5)
+
+
+def test_the_train_position_of_a_stream_follows_its_passes():
+    from jaxnitro.batches import wrap_split
+    from jaxnitro.position import TrainPosition
+
+    pos = TrainPosition(wrap_split(_Stream(), "train"), accum=1)
+    assert (pos.sized, pos.addressable, pos.steps_per_epoch) == (False, False, None)
+    assert pos.start(None, step=0, epoch=0, meta=None) == (1, 0)  # no recorded position: the next epoch
+    opened = []
+    reader, restored = pos.open_pass(1, 0, 0, lambda index: opened.append(index) or "reader")
+    assert (reader, restored, opened, pos.pass_open, pos.epoch_start) == ("reader", False, [0], (1, 0), {1: 0})
+    assert pos.at(2, epoch=1) == {"epoch": 1, "steps_into_epoch": 2, "batches_into_epoch": 2, "epoch_complete": False}
+    pos.stream_ended(1, 0, 3)
+    assert pos.at(3, epoch=1) == {"epoch": 1, "steps_into_epoch": 0, "batches_into_epoch": 0, "epoch_complete": True}
+    pos.open_pass(2, 0, 3, lambda index: None)
+    with pytest.raises(ValueError, match="yielded no batch in epoch 2: an epoch is one pass over it"):
+        pos.stream_ended(2, 0, 3)

@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxnitro.plugin import accessors, check_epoch, describe_source, is_addressable
+from jaxnitro.plugin import (
+    SourceLengthError, accessors, batch_rows, check_epoch, check_past_end, describe_source, is_addressable,
+)
 
 __all__ = ["check_batch_at"]
 
@@ -65,7 +67,8 @@ def check_batch_at(source: Any, epoch: int = 0) -> None:
       may be shorter along the batch (first) dimension;
     - both calls for the same ``i`` return equal arrays (determinism);
     - all ``len(source)`` batches exist (an ``IndexError`` before the end is
-      an error);
+      an error), and ``batch_at(len(source))``, one past them, serves no full
+      batch (``len()`` would hide it: what the run refuses too);
     - calling ``begin_epoch(epoch)`` again gives the same first and last batch,
       so the plan depends on the epoch, not on how often it was set (a resumed
       run sees the same order).
@@ -140,6 +143,11 @@ def check_batch_at(source: Any, epoch: int = 0) -> None:
             "any randomness in begin_epoch, from the epoch number)",
         )
         last = b
+    try:
+        check_past_end(batch_at, n, batch_rows(first), None, epoch)
+    except SourceLengthError as exc:
+        raise ValueError(str(exc).removeprefix("jaxnitro: a data source")
+                         .replace("'s len()", "len(source)", 1).lstrip()) from None
     begin(epoch)
     for i, ref in ((0, first), (n - 1, last)):
         _require_same(

@@ -7,8 +7,11 @@ iterating a source that is not addressable). Out: an iterator of ``(index,
 batch)`` pairs, in index order when ``ordered``, else as they complete. A
 failure in the source is carried to the consumer as a :class:`Failure` in
 place of a batch, and raised from that iterator as a ``PrefetchError`` at the
-failed batch's turn. :meth:`Producers.stop` (always call it) stops and
-joins every thread and drops whatever was produced ahead.
+failed batch's turn; a ``len()`` that disagrees with the batches is a
+``SourceLengthError`` at the pass's end (an iterated source's extra batch, an
+addressable one's full batch at ``batch_at(len())``). :meth:`Producers.stop`
+(always call it) stops and joins every thread and drops whatever was produced
+ahead.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import Any
 
 import structlog
 
-from jaxnitro.plugin import SourceLengthError, accessors, failure_error, length_of, skipped
+from jaxnitro.plugin import (
+    SourceLengthError, accessors, batch_rows, check_past_end, failure_error, length_of, skipped,
+)
 
 #: Longest time, in seconds, that tearing down an epoch stream waits for a
 #: producer thread that is still inside ``batch_at`` or the source's iterator.
@@ -87,8 +92,8 @@ class Producers:
         n = len(source)
         self._start_indexed(batch_at, n, workers, start)
         if ordered or workers == 1:
-            return _indexed_ordered(self, n, epoch, start, split)
-        return _indexed_unordered(self, n, epoch, start, split)
+            return _indexed_ordered(self, batch_at, n, epoch, start, split)
+        return _indexed_unordered(self, batch_at, n, epoch, start, split)
 
     # -- producers ---------------------------------------------------------
 
@@ -182,10 +187,11 @@ class Producers:
 # delivery: each taken item gives its slot back
 
 
-def _indexed_ordered(p: Producers, n: int, epoch: int, start: int = 0,
+def _indexed_ordered(p: Producers, batch_at: Callable[[int], Any], n: int, epoch: int, start: int = 0,
                      split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
     pending: dict[int, Any] = {}
+    width = None  # the first delivered batch's rows: a full batch at batch_at(n) is one len() hides
     for k in range(start, n):
         if k in pending:
             item = pending.pop(k)
@@ -199,18 +205,24 @@ def _indexed_ordered(p: Producers, n: int, epoch: int, start: int = 0,
         release(None)
         if item.__class__ is Failure:
             raise failure_error(k, item.exc, epoch, f"batch_at({k})", split, n)
+        if width is None:
+            width = batch_rows(item[1])
         yield item
+    check_past_end(batch_at, n, width, split, epoch)
 
 
-def _indexed_unordered(p: Producers, n: int, epoch: int, start: int = 0,
+def _indexed_unordered(p: Producers, batch_at: Callable[[int], Any], n: int, epoch: int, start: int = 0,
                        split: str | None = None) -> Iterator[tuple[int, Any]]:
     get, release = p.out.get, p.slots.put
+    width = 0  # the widest delivered batch (the first may be a partial final one)
     for _ in range(start, n):
         item = get()
         release(None)
         if item.__class__ is Failure:
             raise failure_error(item.index, item.exc, epoch, f"batch_at({item.index})", split, n)
+        width = max(width, batch_rows(item[1]) or 0)
         yield item
+    check_past_end(batch_at, n, width or None, split, epoch)
 
 
 def _iterated(p: Producers, epoch: int, n: int, split: str | None) -> Iterator[tuple[int, Any]]:
