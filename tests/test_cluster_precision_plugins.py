@@ -113,3 +113,44 @@ def test_without_the_precision_plugin_float32_trains_the_same_and_the_rest_is_re
         assert "plugins disabled by JAXNITRO_DISABLE_PLUGINS: precision" in text
         assert "leave `precision` at 'float32' and `remat` at False" in text
     jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), precision="float32", remat=np.False_, **QUIET)  # the defaults pass
+
+
+PRECISION = textwrap.dedent(
+    '''
+    """A third-party precision plugin: float32 compute with its own program key and report lines,
+    and a policy that is no policy for the experiment class named `Broken`."""
+    from jaxnitro.plugin import PrecisionPolicy, hookimpl
+
+    ASKED = []
+
+
+    class Custom(PrecisionPolicy):
+        def for_params(self, experiment, hooks, params):
+            ASKED.append(("for_params", type(experiment).__name__, "keep_float32" in hooks))
+            return self
+
+        def key(self):
+            return ("precision", "custom")
+
+        def describe(self):
+            return "custom float32"
+
+
+    @hookimpl
+    def jaxnitro_precision_policy(precision, remat):
+        ASKED.append(("policy", precision.value, precision.source, remat.value))
+        return object() if precision.value == "broken" else Custom()
+    '''
+)
+
+
+def test_an_installed_precision_plugin_answers_instead_of_the_built_in(tmp_path):
+    with installed_plugin(tmp_path / "site", module="jaxnitro_precision_testplugin", source=PRECISION,
+                          dist="jaxnitro-precision-testplugin", entry="custom_precision") as plugin:
+        n = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, **QUIET)
+        assert plugin.ASKED == [("policy", "float32", "default", False), ("for_params", "Tiny", True)]
+        assert n.plan.programs.precision.key() == ("precision", "custom")
+        assert "custom float32" in str(n) and "jaxnitro_precision_policy()" in str(n)
+        with pytest.raises(TypeError, match=r"`jaxnitro_precision_policy` answered <object object at .*>, which is "
+                                            r"not a jaxnitro.plugin.PrecisionPolicy"):
+            jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), precision="broken", **QUIET)
