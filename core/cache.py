@@ -70,7 +70,7 @@ class Program:
     shapes/dtypes were seen before runs the compiled executable, a new
     signature traces and compiles once (one miss). ``compiler_options``: XLA options for
     its compiles (the training programs' under ``remat`` on a CPU:
-    :meth:`jaxnitro.precision.Policy.compiler_options`).
+    the precision policy's ``compiler_options()``).
     """
 
     def __init__(self, kind: str, fn: Callable, donate_argnums=(), meta: dict | None = None,

@@ -22,6 +22,7 @@ __all__ = [
     "LOGGER_VERBS",
     "Logger",
     "PREFETCHER_MEMBERS",
+    "PrecisionPolicy",
     "Prefetcher",
     "REPORTER_METHODS",
     "Reporter",
@@ -268,3 +269,54 @@ class RunFolderHold(Protocol):
         ``"preempted"``, ``"failed"``): give the folder up. Called whatever the status, after
         every ``jaxnitro_run_finish``; what it raises propagates (replacing none: the core
         calls it in a ``finally``)."""
+
+
+@runtime_checkable
+class PrecisionPolicy(Protocol):
+    """What ``jaxnitro_precision_policy`` returns: the compute precision and remat of a run's
+    programs (the built-in is the ``precision`` plugin's). Setup gets one from the
+    ``precision`` and ``remat`` knobs, then :meth:`for_params` once the handle's trainable
+    params are known; the programs call the rest, the casts and remat inside their traces.
+
+    The bodies below are float32 compute without remat (nothing cast, nothing checkpointed):
+    the core's policy when no plugin answers (``jaxnitro.precision.FLOAT32``, a subclass)."""
+
+    kept: tuple[str, ...] = ()
+    """Paths of the parameters kept float32 under a low precision (``print(nitro)``)."""
+
+    def for_params(self, experiment: Any, hooks: Mapping[str, Any], params: Any) -> PrecisionPolicy:
+        """The policy of one handle: ``hooks`` are its resolved experiment hooks (refuse, naming
+        the knob and the fix, what they cannot honour; ask ``keep_float32``)."""
+        return self
+
+    def key(self) -> tuple:
+        """A hashable part of every program key (a trace-time constant)."""
+        return ("precision", "float32", (), False)
+
+    def compiler_options(self) -> dict | None:
+        """XLA options for the programs that differentiate ``forward`` (None: none)."""
+        return None
+
+    def describe(self) -> str:
+        """The ``precision`` line of ``print(nitro)``."""
+        return "float32"
+
+    def describe_remat(self) -> str:
+        """The ``remat`` line of ``print(nitro)``."""
+        return "off"
+
+    def cast_params(self, params: Any) -> Any:
+        """``forward``'s params (traced), cast to the compute dtype."""
+        return params
+
+    def cast_inputs(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``forward``'s batch fields (traced), cast to the compute dtype."""
+        return fields
+
+    def outputs(self, outputs: Any, new_state: Any, state: Any) -> tuple[Any, Any]:
+        """``forward``'s ``(outputs, new state)`` for the loss and metrics (float32)."""
+        return outputs, new_state
+
+    def rematerialized(self, model: Any, fn: Callable[..., Any], inference: bool) -> tuple[Any, Callable[..., Any]]:
+        """``(model, forward)`` as the program runs them (under ``jax.checkpoint`` with remat)."""
+        return model, fn

@@ -8,10 +8,11 @@ dimension* (``NamedSharding(mesh, P("data"))``). The compiled train step is the
 same ``jax.jit`` program as on one device: XLA inserts the gradient all-reduce
 from the shardings. Nothing here is hand-written communication.
 
-One process → several processes (hosts): :func:`initialize` wraps
-``jax.distributed.initialize`` (JAX's multi-controller runtime and its
-coordination service). Each process reads its part of every batch (the
-``dist`` handed to ``build_data``; ``jn.ArraySource`` splits itself), and the
+One process → several processes (hosts): :func:`initialize` asks the
+``jaxnitro_initialize_processes`` hook (and :func:`setup_devices` asks
+``jaxnitro_setup_devices``), which the ``cluster`` plugin answers on
+``jax.distributed.initialize`` (JAX's multi-controller runtime and its coordination
+service). Each process reads its part of every batch (the ``dist`` handed to ``build_data``; ``jn.ArraySource`` splits itself), and the
 global batch is assembled with ``jax.make_array_from_process_local_data``.
 Evaluation runs on each process's own devices over its own rows; the metric
 accumulators are then merged across processes (``process_allgather``) before
@@ -24,10 +25,8 @@ this is active: batches go to the compiled programs exactly as before.
 
 from __future__ import annotations
 
-import os
-import pickle
-import re
 import copy
+import pickle
 from dataclasses import dataclass
 
 import jax
@@ -35,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .plugin_manager import disabled_note, first_result
 from .routing import KEY_COUNT, KEY_DATA
 
 __all__ = [
@@ -54,16 +54,23 @@ _FLAG = "--xla_force_host_platform_device_count"
 _KEY_ENTRIES = (KEY_DATA, KEY_COUNT)  # the framework's per-batch key entries: never sharded
 
 
-def _set_host_device_count(n: int) -> None:
-    """Put ``--xla_force_host_platform_device_count=n`` in ``XLA_FLAGS`` (replacing an earlier one)."""
-    flags = re.sub(rf"{_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FLAG}={n}"])
-
-
 def _check_count(name: str, value, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"jaxnitro: {name} must be an integer >= {low}, got {value!r}.")
     return int(value)
+
+
+def _ask_cluster(hook: str, verb: str, **kwargs):
+    """The first answer to ``hook``; ``RuntimeError`` naming the ``cluster`` plugin when none answers."""
+    answer = first_result(hook, **kwargs)
+    if answer is None:
+        raise RuntimeError(
+            f"jaxnitro: `{verb}` found no plugin that starts processes and devices: the built-in "
+            f"plugin `cluster` (entry point `cluster` in group `jaxnitro`, module jaxnitro.plugins.cluster) "
+            f"does, and it is not loaded{disabled_note()}. Fix: re-enable it (drop `cluster` from "
+            f"JAXNITRO_DISABLE_PLUGINS), or install a plugin implementing `{hook}`."
+        )
+    return answer
 
 
 def setup_devices(n_devs: int | None = None, backend: str | None = None) -> list:
@@ -81,34 +88,9 @@ def setup_devices(n_devs: int | None = None, backend: str | None = None) -> list
     ``setup_devices`` before any other JAX use, or to set ``XLA_FLAGS`` in the
     environment that launches Python. In a multi-process job, pass
     ``local_device_count`` to :func:`initialize` instead (it must run before the backend
-    starts too).
+    starts too). The ``jaxnitro_setup_devices`` hook answers (the ``cluster`` plugin).
     """
-    if n_devs is not None:
-        n_devs = _check_count("setup_devices(n_devs=...)", n_devs)
-    if backend is not None:
-        if not isinstance(backend, str):
-            raise TypeError(f"jaxnitro: setup_devices(backend=...) takes a platform name such as 'cpu', got {backend!r}.")
-        jax.config.update("jax_platforms", backend)
-    if n_devs is not None and backend in (None, "cpu"):
-        _set_host_device_count(n_devs)
-    devices = jax.local_devices(backend=backend)
-    if n_devs is not None and len(devices) < n_devs:
-        platform = devices[0].platform if devices else backend
-        cpu = platform == "cpu"
-        raise RuntimeError(
-            f"jaxnitro: setup_devices(n_devs={n_devs}) but this process has {len(devices)} "
-            f"{platform} device(s). "
-            + (
-                f"JAX's CPU backend had already started before this call (something used JAX "
-                f"first: jax.devices(), an array, a jitted call), so the host device count "
-                f"({_FLAG}) can no longer change. Call jn.setup_devices({n_devs}) at the top of the "
-                f"script, before any other JAX use, or launch Python with "
-                f"XLA_FLAGS={_FLAG}={n_devs}."
-                if cpu
-                else f"Use n_devs <= {len(devices)}, or run on a machine with more devices."
-            )
-        )
-    return devices
+    return _ask_cluster("jaxnitro_setup_devices", "jn.setup_devices", n_devs=n_devs, backend=backend)
 
 
 def initialize(
@@ -140,57 +122,14 @@ def initialize(
     Raises ``ValueError`` for a ``coordinator_address`` that is not ``"host:port"`` (checked
     before JAX sees it: JAX fails on a missing port with a bare ``IndexError``), and
     ``RuntimeError`` (JAX's, with jaxnitro's note) when JAX's backend already started:
-    initialize must come before any JAX use.
+    initialize must come before any JAX use. The ``jaxnitro_initialize_processes`` hook
+    answers (the ``cluster`` plugin).
     """
-    if coordinator_address is not None:
-        check_coordinator_address(coordinator_address)
-    if local_device_count is not None:
-        _set_host_device_count(_check_count("initialize(local_device_count=...)", local_device_count))
-    if cpu_collectives is not None:
-        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    try:
-        jax.distributed.initialize(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
-            **kwargs,
-        )
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"jaxnitro: jn.distributed.initialize failed: {err}. It must be the first JAX call of "
-            f"every process (before jn.setup_devices, jax.devices() or any array), and every process "
-            f"needs the same coordinator_address and num_processes."
-        ) from err
-
-
-def check_coordinator_address(address) -> str:
-    """``address`` if it is ``"host:port"`` (``"10.0.0.1:1234"``, ``"node0:1234"``,
-    ``"[::1]:1234"``) with a port in 1..65535; else ``ValueError`` naming the address and the fix."""
-    example = "jn.distributed.initialize(\"10.0.0.1:1234\", num_processes=2, process_id=0)"
-    if not isinstance(address, str):
-        raise TypeError(
-            f"jaxnitro: jn.distributed.initialize(coordinator_address={address!r}): the address is a "
-            f"string \"host:port\" (process 0's host and a free port), e.g. {example}."
-        )
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    problem = None
-    if not sep or not host or (":" in host and not address.startswith("[")):
-        problem = "has no port" if not sep or ":" in host else "has no host"
-    elif not port.isdigit() or not 1 <= int(port) <= 65535:
-        problem = f"has the port {port!r}, not a number in 1..65535"
-    if problem == "has no port" and ":" not in address:
-        example = f"jn.distributed.initialize(\"{address}:1234\", num_processes=2, process_id=0)"
-    if problem:
-        raise ValueError(
-            f"jaxnitro: jn.distributed.initialize(coordinator_address={address!r}): the address "
-            f"{problem}. It is \"host:port\": process 0's host name or IP and a free TCP port that "
-            f"every process can reach (an IPv6 host in brackets, \"[::1]:1234\"), the same in every "
-            f"process, e.g. {example}."
-        )
-    return address
+    _ask_cluster(
+        "jaxnitro_initialize_processes", "jn.distributed.initialize", coordinator_address=coordinator_address,
+        num_processes=num_processes, process_id=process_id, local_device_count=local_device_count,
+        heartbeat_timeout_s=heartbeat_timeout_s, cpu_collectives=cpu_collectives, options=kwargs,
+    )
 
 
 def is_initialized() -> bool:

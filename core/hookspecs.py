@@ -26,7 +26,8 @@ view (Device values traced, Host fields stripped) in traced hooks
 (``firstresult``): make a logger from a name, choose the default logger,
 adapt a foreign data source, make a progress reporter, accept a run knob,
 render a history, describe a handle, export public names, export the
-inference program, load weights, wrap a split in a prefetcher.
+inference program, load weights, wrap a split in a prefetcher, make the precision
+policy, start this process's devices, join a multi-process job.
 
 **Lifecycle hooks** (:class:`LifecycleSpec`) are called for every plugin at
 fixed points: each setup step, a run's start, a phase's start, a stretch of
@@ -52,12 +53,13 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
 
     import jax
 
-    from .contracts import IndexedSource, Logger, Prefetcher, Reporter, RunFolderHold, Source
+    from .contracts import IndexedSource, Logger, PrecisionPolicy, Prefetcher, Reporter, RunFolderHold, Source
     from .distributed import Dist
     from .events import RunContext, StepStretch
     from .first_step import FirstStep
     from .handle import Nitro
     from .inference import InferenceProgram
+    from .knobs import ResolvedKnob
     from .history import MetricHistory
     from .manual import Optimizers
     from .weights import WeightsRecord
@@ -483,6 +485,40 @@ class ExtensionSpec:
         ``report.n_devices``, and the throughput plugin reads ``report.flops_per_step`` (FLOPs
         of one optimizer step per device, or None). The built-in answer (``trylast``) is the
         ``memory_preflight`` plugin's ``jn.MemoryReport``.
+        """
+
+
+    @hookspec(firstresult=True)
+    def jaxnitro_precision_policy(self, precision: ResolvedKnob, remat: ResolvedKnob) -> PrecisionPolicy | None:
+        """Check the run's ``precision`` and ``remat`` knobs (``.value``, ``.source``: keyword,
+        accessor, field or default) and return its :class:`jaxnitro.plugin.PrecisionPolicy`, or
+        ``None`` if not yours. Asked once per handle at setup, with the other knob checks; raise
+        (naming the knob, its source and the fix) for a value you refuse. The built-in answer
+        (``trylast``) is the ``precision`` plugin; with no answer the core runs float32 without
+        remat and refuses anything else, naming that plugin.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_setup_devices(self, n_devs: int | None, backend: str | None) -> list[jax.Device] | None:
+        """``jn.setup_devices(n_devs, backend)`` (arguments as given): make ``n_devs`` devices
+        available to this process, on platform ``backend`` (None: JAX's default), and return the
+        backend's local devices; raise naming the reason and the fix when it cannot. The
+        built-in answer (``trylast``) is the ``cluster`` plugin (the host device count on a
+        CPU). With no answer ``jn.setup_devices`` raises, naming that plugin.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_initialize_processes(self, coordinator_address: str | None, num_processes: int | None,
+                                      process_id: int | None, local_device_count: int | None,
+                                      heartbeat_timeout_s: int, cpu_collectives: str | None,
+                                      options: dict[str, Any]) -> bool | None:
+        """``jn.distributed.initialize(...)`` (its arguments as given; ``options``: its other
+        keywords): join this process to the multi-process job before any other JAX use, so that
+        ``jax.process_count()`` and ``jax.devices()`` see the job; return True, or ``None`` if not
+        yours. Raise naming the argument and the fix for what is wrong. The built-in answer
+        (``trylast``) is the ``cluster`` plugin (``jax.distributed.initialize``); a plugin may
+        read what is ``None`` here from its scheduler's environment. With no answer
+        ``jn.distributed.initialize`` raises, naming that plugin.
         """
 
 

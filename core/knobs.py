@@ -139,6 +139,7 @@ class Settings:
     profile: object = None
     precision: str = "float32"
     remat: object = False
+    precision_policy: object = None  # a PrecisionPolicy (jaxnitro_precision_policy) before the params are known
     device_peak_flops: object = None  # accepted (checked, used) by the throughput plugin
     sharding: str = "replicated"
     mesh_shape: dict | None = None
@@ -285,10 +286,13 @@ def check_optimizer_groups(groups, cls_name: str) -> None:
                 )
 
 
-def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sharding, mesh_shape) -> Settings:
+def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sharding, mesh_shape,
+                  precision_policy=None) -> Settings:
     """Typed settings from resolved knobs (checked with :func:`check_values` first), made once:
     ``logger``, ``n_devs``, ``sharding`` and ``mesh_shape`` are those knobs as setup checked and
-    resolved them; ``monitor`` is the experiment's ``monitor`` answer (or None)."""
+    resolved them; ``precision_policy`` is ``precision`` and ``remat``'s policy
+    (:func:`jaxnitro.precision.precision_policy`); ``monitor`` is the experiment's ``monitor``
+    answer (or None)."""
     check_values(knobs)
     k = {name: r.value for name, r in knobs.items()}
     return Settings(
@@ -316,6 +320,7 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sh
         profile=k["profile"],
         precision=k["precision"],
         remat=k["remat"],
+        precision_policy=precision_policy,
         device_peak_flops=k["device_peak_flops"],
         monitor=monitor,
         knobs=dict(knobs),

@@ -18,7 +18,8 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 :class:`Checkpointer`, :class:`Exporter`, :class:`StatefulStream` (a stream that records and
 restores its iterator state; :class:`PassStates` keeps its per-batch states), :class:`Prefetcher`
 (a wrapped split, ``jaxnitro_make_prefetcher``'s answer), :class:`RunFolderHold` (what
-``jaxnitro_hold_run_folder`` returns: a run's hold on its folder).
+``jaxnitro_hold_run_folder`` returns: a run's hold on its folder), :class:`PrecisionPolicy`
+(``jaxnitro_precision_policy``'s answer: the casts and remat around ``forward``).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -57,7 +58,8 @@ distribution.
   :func:`describe_source`: how messages name a source) and its errors
   (:class:`PrefetchError`, :class:`SourceLengthError`, :func:`failure_error`);
 * the memory preflight: :class:`FirstStep` and :class:`StepProgram` (what
-  ``jaxnitro_preflight`` gets).
+  ``jaxnitro_preflight`` gets);
+* program keys and parameter paths: :func:`stable_key`, :func:`keypath_of`.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ import sys
 
 from .batches import pad_batch
 from .blocks import aligned
-from .cache import CACHE_ENV
+from .cache import CACHE_ENV, stable_key
 from .contracts import (
     LOGGER_VERBS,
     REPORTER_METHODS,
@@ -76,6 +78,7 @@ from .contracts import (
     IndexedSource,
     Logger,
     PREFETCHER_MEMBERS,
+    PrecisionPolicy,
     Prefetcher,
     Reporter,
     RunFolderHold,
@@ -96,7 +99,7 @@ from .inference import InferenceProgram
 from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
 from .logger import identify_logger, scalar_value
-from .optim import HYPERS, ema_of, rule_state_of
+from .optim import HYPERS, ema_of, keypath_of, rule_state_of
 from .serial_pass import batch_rows, check_past_end, host_items, serial, skipped, transferred
 from .source_contract import accessors, adapted, check_epoch, is_addressable, length_of
 from .source_contract import describe as describe_source
@@ -113,7 +116,7 @@ __all__ = [
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
     "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates", "Prefetcher",
-    "PREFETCHER_MEMBERS", "RunFolderHold",
+    "PREFETCHER_MEMBERS", "RunFolderHold", "PrecisionPolicy",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs
@@ -140,6 +143,8 @@ __all__ = [
     "PrefetchError", "SourceLengthError", "failure_error",
     # the memory preflight
     "FirstStep", "StepProgram",
+    # program keys and parameter paths (the precision plugin's)
+    "stable_key", "keypath_of",
 ]
 
 

@@ -6,7 +6,7 @@ Five kinds, each cached module-wide by :func:`jaxnitro.cache.get_program`:
   accumulated gradient of the earlier micro-batches, scaled by ``1/accum``,
   clipped and applied by the optimizer. One dispatch per optimizer step.
   Key: the traced hooks, GraphConst values, model structure, routing, the precision
-  policy (``precision``, ``keep_float32``'s answers, ``remat``: :mod:`jaxnitro.precision`) and the
+  policy (``precision``, ``keep_float32``'s answers, ``remat``: :mod:`jaxnitro.precision`'s hook) and the
   optimizer (rules, groups, whether ``gradient_clip_norm`` clips at all; the
   threshold itself is an input).
 * ``accumulate`` — forward, loss and gradient of one micro-batch added to the
@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from .blocks import ROWS
+from .contracts import PrecisionPolicy
 from .cache import Program, experiment_key, get_program, stable_key, traced_class_key
 from .experiment import make_view
 from .hookspecs import EXPERIMENT_HOOKS
@@ -44,7 +45,7 @@ from .manual import Optimizers, check_step_result, per_step_scalars
 from .markers import StrippedHost
 from .metrics import check_metric_entry
 from .optim import OptimizerSpec, rule_state_of
-from .precision import Policy
+from .precision import FLOAT32
 from .routing import KEY, KEY_COUNT, KEY_DATA, Route
 from .sharding import constrain
 from .train_metrics_host import host_train_metrics
@@ -201,7 +202,7 @@ class ProgramSet:
         param_def,
         state_def,
         train_metrics_on_host: bool = False,
-        precision: Policy | None = None,
+        precision: PrecisionPolicy | None = None,
         layout=None,
     ):
         self.cls = cls
@@ -215,7 +216,7 @@ class ProgramSet:
         self.state_def = state_def
         self.has_train_metrics = "train_metrics" in hooks
         self.train_metrics_on_host = bool(train_metrics_on_host and self.has_train_metrics)
-        self.precision = precision if precision is not None else Policy()  # the casts and remat around forward
+        self.precision = precision if precision is not None else FLOAT32  # the casts and remat around forward
         self._base_key = (
             experiment_key(cls),  # what the programs reach of the class: in _hook_key
             tuple(sorted((k, stable_key(v)) for k, v in self.graph_values.items())),
@@ -253,7 +254,7 @@ class ProgramSet:
         return hooks + (traced_class_key(self.cls, traced, _UNTRACED),)
 
     def _forward(self, view, params, state, batch, inference: bool):
-        """``forward`` under the precision policy (:mod:`jaxnitro.precision`): params and float
+        """``forward`` under the precision policy (:mod:`jaxnitro.plugins.precision`): params and float
         fields cast to the compute dtype, outputs back to float32, remat when training."""
         policy = self.precision
         model = eqx.combine(policy.cast_params(params), self.skeleton.static)

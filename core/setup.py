@@ -32,8 +32,7 @@ from .manual import check_manual_experiment, split_optimizer
 from .optim import build_optimizer_spec, init_opt_state
 from .plugin_manager import resolve_hooks
 from .source_contract import bind_seed, is_addressable
-from .precision import check_knobs as check_precision_knobs
-from .precision import make_policy
+from .precision import precision_policy
 from .programs import ProgramSet, split_model
 from .progress import SetupSteps
 from .evaluation import check_eval_splits
@@ -166,12 +165,12 @@ def _settings(e, kwargs: dict, hooks: dict) -> Settings:
     check_ema_knob(knobs["ema"].value, knobs["ema"].source)
     n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
     logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
-    check_precision_knobs(knobs)  # precision, remat
+    policy = precision_policy(knobs["precision"], knobs["remat"])  # checks them
     sharding = check_sharding_knob(knobs["sharding"].value, knobs["sharding"].source)
     mesh_shape = check_mesh_shape(knobs["mesh_shape"].value, knobs["mesh_shape"].source, n_devs)
     _check_mesh_processes(mesh_shape, n_devs, knobs["mesh_shape"].source)
     return _knobs.make_settings(knobs, logger=logger, monitor=_monitor(e, hooks), n_devs=n_devs,
-                                sharding=sharding, mesh_shape=mesh_shape)
+                                sharding=sharding, mesh_shape=mesh_shape, precision_policy=policy)
 
 
 def _check_mesh_processes(mesh_shape, n_devs: int, source: str) -> None:
@@ -381,22 +380,6 @@ def _program_args(e, hooks: dict, routes: dict, skeleton, state: TrainState, set
     """The :class:`ProgramSet`'s arguments but the layout (checked here; the set is made with
     the plan, once the optimizer state's layout is known)."""
     infos = fields_of(e)
-    if settings.precision != "float32" and "train_step" in hooks:
-        raise ValueError(
-            f"jaxnitro: run knob `precision` = {settings.precision!r} ({settings.source('precision')}), "
-            f"but {type(e).__name__} writes its own `train_step`, whose losses and gradients the "
-            f"framework does not see: cast inside your train_step (e.g. "
-            f"`jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), model)` before the forward "
-            f"pass, the loss in float32), and leave `precision` at 'float32'."
-        )
-    if settings.remat not in (False, None) and "train_step" in hooks:
-        raise ValueError(
-            f"jaxnitro: run knob `remat` = {settings.remat!r} ({settings.source('remat')}), but "
-            f"{type(e).__name__} writes its own `train_step`, which takes the gradients itself: the "
-            f"framework's remat wraps `forward` inside its own train step only. Checkpoint inside your "
-            f"train_step (e.g. `eqx.filter_checkpoint` around the forward pass you differentiate), "
-            f"and leave `remat` at False."
-        )
     return dict(
         cls=type(e),
         hooks=hooks,
@@ -407,7 +390,7 @@ def _program_args(e, hooks: dict, routes: dict, skeleton, state: TrainState, set
         param_def=jax.tree_util.tree_structure(state.params),
         state_def=jax.tree_util.tree_structure(state.model_state),
         train_metrics_on_host=_train_metrics_on_host(e, hooks),
-        precision=make_policy(e, hooks, state.params, settings.precision, settings.remat),
+        precision=settings.precision_policy.for_params(e, hooks, state.params),  # refuses train_step
     )
 
 

@@ -252,7 +252,7 @@ def _bindings_band(nitro) -> Band:
             continue  # a budget or an event that is not set: nothing to show
         rows.append((name, value, s.source(name)))
     policy = getattr(nitro.plan.programs, "precision", None)
-    if policy is not None:  # the precision policy and remat (jaxnitro.precision)
+    if policy is not None:  # the precision policy and remat (the precision plugin: jaxnitro_precision_policy)
         rows.append(("precision", policy.describe(), s.source("precision")))
         if policy.kept:
             rows.append(("keep_float32", ", ".join(policy.kept), nitro.plan.hooks["keep_float32"].source))

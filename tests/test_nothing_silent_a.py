@@ -11,6 +11,7 @@ import pytest
 
 import jaxnitro as jn
 from jaxnitro import Device, GraphConst
+from jaxnitro.plugins.cluster import check_coordinator_address
 from tiny import N_CLASSES, Tiny, TinyCore, fresh_tiny, tiny_data
 
 QUIET = dict(logger=None)
@@ -44,7 +45,7 @@ def test_initialize_refuses_an_address_without_host_or_port(address, problem, fi
 
 @pytest.mark.parametrize("address", ["127.0.0.1:1234", "node-0.cluster:8476", "[::1]:1234"])
 def test_a_host_port_address_is_accepted(address):
-    assert jn.distributed.check_coordinator_address(address) == address
+    assert check_coordinator_address(address) == address
 
 
 # -- 15: non-finite Device values; a clip norm that zeroes every update ------------------------------

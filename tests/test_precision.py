@@ -15,7 +15,7 @@ import jaxnitro as jn
 import jaxnitro.first_step as memory
 import jaxnitro.plugins.memory_preflight as preflight_plugin
 from jaxnitro import GraphConst
-from jaxnitro.precision import KEEP_BARRIERS, Policy
+from jaxnitro.plugins.precision import KEEP_BARRIERS, Policy
 from tiny import N_CLASSES, fresh_tiny
 
 
