@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from jax.sharding import PartitionSpec
+
 __all__ = [
     "Batch",
     "Checkpointer",
@@ -27,6 +29,7 @@ __all__ = [
     "REPORTER_METHODS",
     "Reporter",
     "RunFolderHold",
+    "ShardingPolicy",
     "Source",
     "StatefulStream",
     "StopPolicy",
@@ -320,3 +323,35 @@ class PrecisionPolicy(Protocol):
     def rematerialized(self, model: Any, fn: Callable[..., Any], inference: bool) -> tuple[Any, Callable[..., Any]]:
         """``(model, forward)`` as the program runs them (under ``jax.checkpoint`` with remat)."""
         return model, fn
+
+
+@runtime_checkable
+class ShardingPolicy(Protocol):
+    """What ``jaxnitro_sharding_policy`` returns: the ``sharding`` and ``mesh_shape`` knobs,
+    checked, and where each parameter of a handle lives on its mesh (the built-in is the
+    ``sharding`` plugin's). Setup builds the mesh from :attr:`mesh_shape`, then asks
+    :meth:`specs` once the params exist; the optimizer state follows its parameter (the
+    core's ``Layout.with_opt``).
+
+    The bodies below replicate every parameter on the 1-D ``"data"`` mesh: the core's
+    policy when no plugin answers (``jaxnitro.sharding.REPLICATED``, a subclass)."""
+
+    mode: str = "replicated"
+    """The ``sharding`` knob's rule (``print(nitro)``; a run with split params is keyed by its specs)."""
+    mesh_shape: dict[str, int] | None = None
+    """``{axis: size}`` of the mesh (one axis ``"data"``), or None for the 1-D ``"data"`` mesh."""
+
+    def specs(self, paths: tuple, leaves: list, mesh: Any, rule: Callable[..., Any] | None,
+              cls_name: str) -> tuple[str, tuple]:
+        """``(mode, specs)``: one ``jax.sharding.PartitionSpec`` per parameter leaf (``paths``:
+        their key paths, tuples of str/int; ``leaves``: the arrays), over ``mesh``'s axes;
+        ``rule(path, leaf)`` is the experiment's ``param_sharding`` hook (None when it has none),
+        ``mode`` what placed them (``"rules"`` when that hook answered). Raise naming the
+        parameter, the spec and the fix for one that does not fit."""
+        if rule is not None:
+            raise ValueError(
+                f"jaxnitro: {cls_name} defines `param_sharding`, which needs the built-in plugin "
+                f"`sharding` (entry point `sharding` in group `jaxnitro`), and it is not loaded. Fix: "
+                f"re-enable it (drop `sharding` from JAXNITRO_DISABLE_PLUGINS) or install a plugin "
+                f"implementing `jaxnitro_sharding_policy`.")
+        return "replicated", tuple(PartitionSpec() for _ in paths)

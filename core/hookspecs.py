@@ -53,7 +53,8 @@ if TYPE_CHECKING:  # the annotations only: none of these is imported at run time
 
     import jax
 
-    from .contracts import IndexedSource, Logger, PrecisionPolicy, Prefetcher, Reporter, RunFolderHold, Source
+    from .contracts import (IndexedSource, Logger, PrecisionPolicy, Prefetcher, Reporter, RunFolderHold,
+                            ShardingPolicy, Source)
     from .distributed import Dist
     from .events import RunContext, StepStretch
     from .first_step import FirstStep
@@ -496,6 +497,17 @@ class ExtensionSpec:
         (naming the knob, its source and the fix) for a value you refuse. The built-in answer
         (``trylast``) is the ``precision`` plugin; with no answer the core runs float32 without
         remat and refuses anything else, naming that plugin.
+        """
+
+    @hookspec(firstresult=True)
+    def jaxnitro_sharding_policy(self, sharding: ResolvedKnob, mesh_shape: ResolvedKnob,
+                                 n_devs: int) -> ShardingPolicy | None:
+        """Check the run's ``sharding`` and ``mesh_shape`` knobs for a run on ``n_devs``
+        devices and return its :class:`jaxnitro.plugin.ShardingPolicy` (the mesh's shape, each
+        parameter's spec), or ``None`` if not yours. Asked once per handle at setup, with the
+        other knob checks; raise (naming the knob, its source and the fix) for a value you
+        refuse. The built-in answer (``trylast``) is the ``sharding`` plugin; with no answer
+        every parameter is replicated and anything else refused, naming that plugin.
         """
 
     @hookspec(firstresult=True)

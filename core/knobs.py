@@ -141,6 +141,7 @@ class Settings:
     remat: object = False
     precision_policy: object = None  # a PrecisionPolicy (jaxnitro_precision_policy) before the params are known
     device_peak_flops: object = None  # accepted (checked, used) by the throughput plugin
+    sharding_policy: object = None  # a ShardingPolicy (jaxnitro_sharding_policy): the mesh's shape, each param's spec
     sharding: str = "replicated"
     mesh_shape: dict | None = None
     compilation_cache: object = None
@@ -286,13 +287,15 @@ def check_optimizer_groups(groups, cls_name: str) -> None:
                 )
 
 
-def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sharding, mesh_shape,
-                  precision_policy=None) -> Settings:
+def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, precision_policy=None,
+                  sharding_policy=None) -> Settings:
     """Typed settings from resolved knobs (checked with :func:`check_values` first), made once:
-    ``logger``, ``n_devs``, ``sharding`` and ``mesh_shape`` are those knobs as setup checked and
-    resolved them; ``precision_policy`` is ``precision`` and ``remat``'s policy
-    (:func:`jaxnitro.precision.precision_policy`); ``monitor`` is the experiment's ``monitor``
-    answer (or None)."""
+    ``logger`` and ``n_devs`` are those knobs as setup checked and resolved them;
+    ``precision_policy`` is ``precision`` and ``remat``'s policy
+    (:func:`jaxnitro.precision.precision_policy`), ``sharding_policy`` ``sharding`` and
+    ``mesh_shape``'s (:func:`jaxnitro.sharding.sharding_policy`: the ``sharding`` and
+    ``mesh_shape`` settings are its ``mode`` and ``mesh_shape``); ``monitor`` is the
+    experiment's ``monitor`` answer (or None)."""
     check_values(knobs)
     k = {name: r.value for name, r in knobs.items()}
     return Settings(
@@ -324,8 +327,9 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, sh
         device_peak_flops=k["device_peak_flops"],
         monitor=monitor,
         knobs=dict(knobs),
-        sharding=sharding,
-        mesh_shape=mesh_shape,
+        sharding_policy=sharding_policy,
+        sharding=getattr(sharding_policy, "mode", "replicated"),
+        mesh_shape=getattr(sharding_policy, "mesh_shape", None),
         compilation_cache=k["compilation_cache"],
     )
 

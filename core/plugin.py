@@ -19,7 +19,9 @@ is called through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work
 restores its iterator state; :class:`PassStates` keeps its per-batch states), :class:`Prefetcher`
 (a wrapped split, ``jaxnitro_make_prefetcher``'s answer), :class:`RunFolderHold` (what
 ``jaxnitro_hold_run_folder`` returns: a run's hold on its folder), :class:`PrecisionPolicy`
-(``jaxnitro_precision_policy``'s answer: the casts and remat around ``forward``).
+(``jaxnitro_precision_policy``'s answer: the casts and remat around ``forward``),
+:class:`ShardingPolicy` (``jaxnitro_sharding_policy``'s answer: the mesh's shape and each
+parameter's spec, laid out as a :class:`Layout` by :func:`param_layout`).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
@@ -82,6 +84,7 @@ from .contracts import (
     Prefetcher,
     Reporter,
     RunFolderHold,
+    ShardingPolicy,
     Source,
     StatefulStream,
     StopPolicy,
@@ -100,6 +103,7 @@ from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl,
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs
 from .logger import identify_logger, scalar_value
 from .optim import HYPERS, ema_of, keypath_of, rule_state_of
+from .sharding import DATA, Layout, param_layout
 from .serial_pass import batch_rows, check_past_end, host_items, serial, skipped, transferred
 from .source_contract import accessors, adapted, check_epoch, is_addressable, length_of
 from .source_contract import describe as describe_source
@@ -116,7 +120,7 @@ __all__ = [
     # shapes
     "Batch", "Logger", "LOGGER_VERBS", "Reporter", "REPORTER_METHODS", "Source", "IndexedSource",
     "StopPolicy", "Checkpointer", "Exporter", "StatefulStream", "PassStates", "Prefetcher",
-    "PREFETCHER_MEMBERS", "RunFolderHold", "PrecisionPolicy",
+    "PREFETCHER_MEMBERS", "RunFolderHold", "PrecisionPolicy", "ShardingPolicy",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
     # experiments and knobs
@@ -145,6 +149,8 @@ __all__ = [
     "FirstStep", "StepProgram",
     # program keys and parameter paths (the precision plugin's)
     "stable_key", "keypath_of",
+    # where parameters live on the mesh (the sharding plugin's)
+    "DATA", "Layout", "param_layout",
 ]
 
 

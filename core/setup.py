@@ -38,7 +38,7 @@ from .progress import SetupSteps
 from .evaluation import check_eval_splits
 from .routing import check_reserved_fields, route_of
 from .schedules import bind_schedules, scheduled_rule_hypers
-from .sharding import check_mesh_shape, check_sharding_knob, param_layout
+from .sharding import param_layout, sharding_policy
 from .state import Plan, TrainState
 from .stream_state import check_resume as check_stream_resume
 from .weights import (
@@ -166,27 +166,9 @@ def _settings(e, kwargs: dict, hooks: dict) -> Settings:
     n_devs = check_n_devs(knobs["n_devs"].value, knobs["n_devs"].source)  # None: every device
     logger = check_logger_knob(knobs["logger"].value, knobs["logger"].source)
     policy = precision_policy(knobs["precision"], knobs["remat"])  # checks them
-    sharding = check_sharding_knob(knobs["sharding"].value, knobs["sharding"].source)
-    mesh_shape = check_mesh_shape(knobs["mesh_shape"].value, knobs["mesh_shape"].source, n_devs)
-    _check_mesh_processes(mesh_shape, n_devs, knobs["mesh_shape"].source)
+    placing = sharding_policy(knobs["sharding"], knobs["mesh_shape"], n_devs)  # checks them
     return _knobs.make_settings(knobs, logger=logger, monitor=_monitor(e, hooks), n_devs=n_devs,
-                                sharding=sharding, mesh_shape=mesh_shape, precision_policy=policy)
-
-
-def _check_mesh_processes(mesh_shape, n_devs: int, source: str) -> None:
-    """In a multi-process job, the axes other than "data" must stay inside one process (each
-    process feeds its own rows along "data"): their sizes' product divides the devices per process."""
-    procs = jax.process_count()
-    if mesh_shape is None or procs == 1:
-        return
-    inner = n_devs // mesh_shape["data"]
-    if (n_devs // procs) % inner:
-        raise ValueError(
-            f"jaxnitro: run knob `mesh_shape` = {mesh_shape!r} ({source}): its axes other than \"data\" "
-            f"span {inner} devices, more than (or not dividing) the {n_devs // procs} devices of each of the "
-            f"{procs} processes; each process feeds its own rows along \"data\". Make \"data\" a multiple "
-            f"of {procs} (the other axes' product dividing {n_devs // procs})."
-        )
+                                precision_policy=policy, sharding_policy=placing)
 
 
 def _place_state(plan: Plan, state: TrainState) -> TrainState:
@@ -305,7 +287,7 @@ def _build_model(e, hooks: dict, dist, settings: Settings, weights, record=None)
     else:
         model, model_state = built, None
     params, skeleton = split_model(model)
-    layout = param_layout(e, hooks, params, dist.mesh, settings.sharding, dist.multi_process)
+    layout = param_layout(settings.sharding_policy, e, hooks, params, dist.mesh, dist.multi_process)
     if layout.sharded:  # placed now: restored weights land on their shards
         params = layout.place_params(params)
     state = TrainState(params=params, model_state=model_state, opt_state=None, step=0, epoch=0, rng=run_key)

@@ -1,30 +1,28 @@
 """Parameter sharding: where each parameter, and its optimizer state, lives on the mesh.
 
-Three ways, all on ``jax.sharding`` (a ``Mesh``, ``NamedSharding``, ``PartitionSpec``); the
-compiled programs are the same ``jax.jit`` programs, XLA inserts the collectives:
+The rule is a plugin's, as PyTorch Lightning's strategies decide placement: setup asks
+``jaxnitro_sharding_policy`` with the resolved ``sharding`` and ``mesh_shape`` knobs
+(:func:`sharding_policy`); the answer, a :class:`~jaxnitro.plugin.ShardingPolicy`, checks
+them and gives each parameter its ``PartitionSpec`` (:func:`param_layout`). The built-in
+answer is the ``sharding`` plugin (``"replicated"``, ``"fsdp"``, the experiment's
+``param_sharding`` rules, ``mesh_shape``). With no answer (the plugin disabled) every
+parameter is replicated on the 1-D ``"data"`` mesh (:data:`REPLICATED`), and anything else
+is refused, naming the plugin.
 
-* ``sharding="replicated"`` (the default): every parameter whole on every device;
-* ``sharding="fsdp"``: each parameter split along its largest dimension that divides by the
-  size of the ``"data"`` axis (the first such dimension on a tie), over that axis; a leaf with
-  no such dimension (a bias of 10 on 4 devices, a scalar) stays replicated. XLA gathers each
-  parameter where a layer needs it and reduce-scatters its gradient;
-* user rules: an experiment hook ``param_sharding(self, path, leaf)`` returning a
-  ``jax.sharding.PartitionSpec`` over the mesh's axes (named by the ``mesh_shape`` run knob,
-  e.g. ``{"data": 2, "model": 2}``), or ``None`` for the ``sharding`` knob's rule for that leaf.
-
-The optimizer state follows its parameter: an optimizer-state leaf whose key path ends with a
-parameter's key path and that has the parameter's shape (Adam's moments, the EMA, an L2-SP
-anchor) gets that parameter's sharding; every other leaf (step counts, hyperparameters,
-factored statistics of another shape) is replicated.
-
-A :class:`Layout` holds the resolved shardings (one per parameter leaf, one per optimizer-state
-leaf) and places trees on them; the train programs pin their outputs to it
-(``jax.lax.with_sharding_constraint``), so a step returns each array where it came from.
+The core keeps what the programs and checkpoints use, all on ``jax.sharding`` (a ``Mesh``,
+``NamedSharding``, ``PartitionSpec``; XLA inserts the collectives): a :class:`Layout`
+holds the resolved shardings (one per parameter leaf, one per optimizer-state leaf) and
+places trees on them; the train programs pin their outputs to it (:func:`constrain`:
+``jax.lax.with_sharding_constraint``), so a step returns each array where it came from.
+The optimizer state follows its parameter: an optimizer-state leaf whose key path ends with
+a parameter's key path and that has the parameter's shape (Adam's moments, the EMA, an
+L2-SP anchor) gets that parameter's sharding; every other leaf (step counts,
+hyperparameters, factored statistics of another shape) is replicated.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -32,125 +30,56 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = [
-    "SHARDINGS", "Layout", "check_sharding_knob", "check_mesh_shape", "fsdp_spec", "check_spec",
-    "param_layout", "constrain",
-]
+from .contracts import ShardingPolicy
+from .plugin_manager import disabled_note, first_result
 
-SHARDINGS = ("replicated", "fsdp")
-"""The values of the ``sharding`` run knob."""
+__all__ = ["DATA", "REPLICATED", "Layout", "sharding_policy", "param_layout", "constrain"]
 
 DATA = "data"
 """The mesh axis batches are sharded over (and FSDP splits parameters over)."""
 
 
-def check_sharding_knob(value, source: str) -> str:
-    """The ``sharding`` knob: ``"replicated"`` or ``"fsdp"``; ``ValueError`` naming it otherwise."""
-    if value is None:
-        return "replicated"
-    if not isinstance(value, str) or value not in SHARDINGS:
-        raise ValueError(
-            f"jaxnitro: run knob `sharding` = {value!r} ({source}); give \"replicated\" (every "
-            f"parameter whole on every device, the default) or \"fsdp\" (each parameter and its "
-            f"optimizer state split over the 'data' axis). For your own rules (tensor parallelism), "
-            f"define the experiment hook `param_sharding(self, path, leaf)` returning a "
-            f"jax.sharding.PartitionSpec, over axes named by `mesh_shape`."
-        )
-    return value
+class Replicated(ShardingPolicy):
+    """Every parameter whole on every device of the 1-D mesh (the Protocol's own bodies)."""
 
 
-def check_mesh_shape(value, source: str, n_devs: int) -> dict | None:
-    """The ``mesh_shape`` knob: None (a 1-D mesh ``{"data": n_devs}``) or ``{axis: size}``, sizes
-    integers >= 1 whose product is ``n_devs``, one axis named ``"data"`` (batches are sharded
-    over it). ``ValueError`` naming the knob, what is wrong and the fix otherwise."""
-    if value is None:
-        return None
-    example = f'{{"data": {max(n_devs // 2, 1)}, "model": {2 if n_devs % 2 == 0 and n_devs > 1 else 1}}}'
-
-    def refuse(problem: str):
-        raise ValueError(
-            f"jaxnitro: run knob `mesh_shape` = {value!r} ({source}); {problem} It names the mesh's "
-            f"axes and their sizes, e.g. mesh_shape={example} for {n_devs} devices (batches are sharded "
-            f"over \"data\"; `param_sharding` specs name the others)."
-        )
-
-    if not isinstance(value, dict) or not value:
-        refuse("it must be a non-empty dict {axis name: size}.")
-    for name, size in value.items():
-        if not isinstance(name, str) or not name:
-            refuse(f"the axis name {name!r} is not a non-empty string.")
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-            refuse(f"the size of axis {name!r} is {size!r}, not an integer >= 1.")
-    if DATA not in value:
-        refuse('it has no axis "data", the axis batches are sharded over (give it size 1 for pure model parallelism).')
-    total = math.prod(int(s) for s in value.values())
-    if total != n_devs:
-        refuse(f"its sizes multiply to {total}, but the run trains on n_devs={n_devs} devices; the sizes "
-               f"must multiply to {n_devs} (or set n_devs={total}).")
-    return {str(k): int(v) for k, v in value.items()}
+REPLICATED = Replicated()
 
 
-def fsdp_spec(shape: tuple, n: int) -> P:
-    """The FSDP spec of a leaf of ``shape`` over a ``"data"`` axis of size ``n``: split along the
-    largest dimension divisible by ``n`` (the first on a tie); ``P()`` when none is or ``n`` is 1."""
-    if n <= 1:
-        return P()
-    best = None
-    for d, size in enumerate(shape):
-        if size % n == 0 and size >= n and (best is None or size > shape[best]):
-            best = d
-    if best is None:
-        return P()
-    return P(*([None] * best), DATA)
-
-
-def _path_text(path: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path) or "<root>"
-
-
-def check_spec(spec, path: tuple, shape: tuple, mesh: Mesh, cls_name: str) -> P:
-    """``spec`` if it is a ``PartitionSpec`` that fits a leaf of ``shape`` on ``mesh``: no more
-    entries than dimensions, every axis one of the mesh's and used once, each dimension divisible
-    by the product of its axes' sizes. ``TypeError``/``ValueError`` naming the parameter's path,
-    the spec and the fix otherwise."""
-    where = f"`param_sharding` of {cls_name} returned {spec!r} for the parameter {_path_text(path)} (shape {tuple(shape)})"
-    axes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    if not isinstance(spec, P):
-        raise TypeError(
-            f"jaxnitro: {where}; it must return a jax.sharding.PartitionSpec (e.g. "
-            f"PartitionSpec(None, 'model') to split the second dimension over 'model') or None for "
-            f"the `sharding` knob's rule."
-        )
-    if len(spec) > len(shape):
-        raise ValueError(
-            f"jaxnitro: {where}: the spec has {len(spec)} entries but the parameter has {len(shape)} "
-            f"dimension(s). Give at most one entry per dimension (None leaves a dimension whole)."
-        )
-    seen = set()
-    for d, entry in enumerate(spec):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        for a in names:
-            if a not in axes:
-                raise ValueError(
-                    f"jaxnitro: {where}: the axis {a!r} is not an axis of the mesh (axes: "
-                    f"{axes}). Use one of {sorted(axes)}, or name it in the `mesh_shape` run knob "
-                    f"(e.g. mesh_shape={{'data': ..., {a!r}: ...}})."
-                )
-            if a in seen:
-                raise ValueError(
-                    f"jaxnitro: {where}: the axis {a!r} is used for two dimensions; a mesh axis "
-                    f"splits at most one dimension of a parameter."
-                )
-            seen.add(a)
-        k = math.prod(axes[a] for a in names)
-        if shape[d] % k:
+def sharding_policy(sharding, mesh_shape, n_devs: int) -> ShardingPolicy:
+    """The run's policy from the resolved ``sharding`` and ``mesh_shape`` knobs
+    (:class:`~jaxnitro.knobs.ResolvedKnob`) for ``n_devs`` devices: the first
+    ``jaxnitro_sharding_policy`` answer, which checks them; with none, :data:`REPLICATED`
+    for ``"replicated"`` without a ``mesh_shape``, else a ``ValueError`` naming the knob and
+    the ``sharding`` plugin."""
+    policy = first_result("jaxnitro_sharding_policy", sharding=sharding, mesh_shape=mesh_shape, n_devs=n_devs)
+    if policy is not None:
+        if not isinstance(policy, ShardingPolicy):
+            raise TypeError(f"jaxnitro: `jaxnitro_sharding_policy` answered {policy!r}, which is not a "
+                            f"jaxnitro.plugin.ShardingPolicy (its members: see that Protocol).")
+        return policy
+    for knob, default in ((sharding, "replicated"), (mesh_shape, None)):
+        if knob.value is not None and knob.value != default:
             raise ValueError(
-                f"jaxnitro: {where}: dimension {d} has size {shape[d]}, which does not divide "
-                f"among the {k} devices of {names if len(names) > 1 else names[0]!r}. Split a "
-                f"dimension whose size is a multiple of {k}, leave this one whole (None), or "
-                f"return None for this parameter."
+                f"jaxnitro: run knob `{knob.name}` = {knob.value!r} ({knob.source}) needs the built-in "
+                f"plugin `sharding` (entry point `sharding` in group `jaxnitro`, module "
+                f"jaxnitro.plugins.sharding), and it is not loaded{disabled_note()}. Fix: re-enable it "
+                f"(drop `sharding` from JAXNITRO_DISABLE_PLUGINS), install a plugin implementing "
+                f"`jaxnitro_sharding_policy`, or leave `sharding` at 'replicated' and `mesh_shape` at None."
             )
-    return spec
+    return REPLICATED
+
+
+def param_layout(policy: ShardingPolicy, e, hooks: dict, params, mesh: Mesh, multi_process: bool = False) -> "Layout":
+    """The :class:`Layout` of ``params`` on ``mesh``: ``policy``'s specs, given each leaf's key
+    path and the experiment's ``param_sharding`` hook (bound to ``e``; None when not defined)."""
+    hook = hooks.get("param_sharding")
+    rule = None if hook is None else functools.partial(hook.function, e)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = tuple(_keypath(path) for path, _ in flat)
+    mode, specs = policy.specs(paths, [leaf for _, leaf in flat], mesh, rule, type(e).__name__)
+    shapes = tuple(tuple(np.shape(leaf)) for _, leaf in flat)
+    return Layout(mode, mesh, tuple(specs), paths, shapes, multi_process=multi_process)
 
 
 def _keypath(path) -> tuple:
@@ -241,11 +170,6 @@ class Layout:
         what = {"fsdp": f"fsdp over {DATA!r}", "rules": "split by param_sharding"}[self.mode]
         return f"params {what} ({split} of {len(self.specs)} leaves split), optimizer state follows"
 
-    def listing(self) -> list[str]:
-        """``.l1.weight (16, 8): PartitionSpec('data',)``, one line per split parameter."""
-        return [f"{_path_text(p)} {tuple(sh)}: {s}" for p, sh, s in zip(self.paths, self.shapes, self.specs)
-                if any(e is not None for e in s)]
-
 
 def _put(x, sharding: NamedSharding, layout: Layout):
     if isinstance(x, jax.Array) and x.sharding == sharding:
@@ -256,29 +180,6 @@ def _put(x, sharding: NamedSharding, layout: Layout):
         return jax.jit(lambda a: a, out_shardings=sharding)(x)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def param_layout(e, hooks: dict, params, mesh: Mesh, mode: str, multi_process: bool = False) -> Layout:
-    """The :class:`Layout` of ``params`` on ``mesh``: the experiment's ``param_sharding`` answer
-    for each leaf (checked by :func:`check_spec`), else the ``mode`` knob's rule (``"fsdp"``:
-    :func:`fsdp_spec` over the ``"data"`` axis; ``"replicated"``: ``P()``)."""
-    hook = hooks.get("param_sharding")
-    cls_name = type(e).__name__
-    n = dict(zip(mesh.axis_names, mesh.devices.shape)).get(DATA, 1)
-    specs, paths, shapes, ruled = [], [], [], False
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        kp, shape = _keypath(path), tuple(np.shape(leaf))
-        spec = hook.function(e, kp, leaf) if hook is not None else None
-        if spec is not None:
-            spec, ruled = check_spec(spec, kp, shape, mesh, cls_name), True
-        elif mode == "fsdp":
-            spec = fsdp_spec(shape, n)
-        else:
-            spec = P()
-        specs.append(spec)
-        paths.append(kp)
-        shapes.append(shape)
-    return Layout("rules" if ruled else mode, mesh, tuple(specs), tuple(paths), tuple(shapes), multi_process=multi_process)
 
 
 def constrain(leaves: list, shardings) -> list:

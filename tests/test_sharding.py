@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxnitro as jn
-from jaxnitro.sharding import check_spec, fsdp_spec, param_layout
+from jaxnitro.plugins.sharding import check_spec, fsdp_spec, param_layout
 from tiny import Tiny, fresh_tiny, tiny_data
 
 
