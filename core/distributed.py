@@ -356,7 +356,7 @@ def make_dist(n_devs: int, mesh_shape: dict | None = None) -> Dist:
     process ``p`` holds rows ``[p * b, (p + 1) * b)`` of every global batch.
 
     ``mesh_shape`` (``{"data": 2, "model": 2}``, checked by
-    :func:`jaxnitro.sharding.check_mesh_shape`) reshapes those devices into a mesh with these
+    the ``sharding`` plugin) reshapes those devices into a mesh with these
     axes, in this order (the last axis varies fastest, so a ``"model"`` axis after ``"data"``
     keeps its devices in one process when its size divides the local device count); None is
     the 1-D mesh ``{"data": n_devs}``."""
