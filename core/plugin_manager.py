@@ -218,6 +218,31 @@ def first_result(hook_name: str, **kwargs):
     return first_answer(plugin_manager(), hook_name, kwargs)
 
 
+def policy_answer(hook_name: str, protocol: type, plugin: str, defaults: tuple, instead: str, **kwargs):
+    """A knob policy from extension hook ``hook_name`` (``jaxnitro_precision_policy``,
+    ``jaxnitro_sharding_policy``), asked with ``kwargs`` (the resolved knobs): the first
+    answer, which must be a ``protocol`` (``TypeError`` naming the hook and the Protocol
+    otherwise). With no answer, None when every ``(knob, at_default)`` of ``defaults`` is at
+    its default, else a ``ValueError`` naming that knob, the built-in ``plugin`` that answers
+    the hook, the disabled plugins and the fix (``instead``: how to do without it)."""
+    policy = first_result(hook_name, **kwargs)
+    if policy is not None:
+        if not isinstance(policy, protocol):
+            raise TypeError(f"jaxnitro: `{hook_name}` answered {policy!r}, which is not a "
+                            f"jaxnitro.plugin.{protocol.__name__} (its members: see that Protocol).")
+        return policy
+    for knob, at_default in defaults:
+        if not at_default:
+            raise ValueError(
+                f"jaxnitro: run knob `{knob.name}` = {knob.value!r} ({knob.source}) needs the built-in "
+                f"plugin `{plugin}` (entry point `{plugin}` in group `jaxnitro`, module "
+                f"jaxnitro.plugins.{plugin}), and it is not loaded{disabled_note()}. Fix: re-enable it "
+                f"(drop `{plugin}` from JAXNITRO_DISABLE_PLUGINS), install a plugin implementing "
+                f"`{hook_name}`, or {instead}."
+            )
+    return None
+
+
 def plugin_exports() -> list[tuple[str, dict]]:
     """``[(plugin name, {public name: object})]`` from every plugin's ``jaxnitro_exports``,
     called through pluggy (in its call order; each answer noted with its plugin's name, so

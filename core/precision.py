@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .contracts import PrecisionPolicy
-from .plugin_manager import disabled_note, first_result
+from .plugin_manager import policy_answer
 
 __all__ = ["FLOAT32", "Float32", "precision_policy"]
 
@@ -30,19 +30,8 @@ def precision_policy(precision, remat) -> PrecisionPolicy:
     (:class:`~jaxnitro.knobs.ResolvedKnob`): the first ``jaxnitro_precision_policy`` answer,
     which checks them; with none, :data:`FLOAT32` for ``"float32"`` without remat, else a
     ``ValueError`` naming the knob and the ``precision`` plugin."""
-    policy = first_result("jaxnitro_precision_policy", precision=precision, remat=remat)
-    if policy is not None:
-        if not isinstance(policy, PrecisionPolicy):
-            raise TypeError(f"jaxnitro: `jaxnitro_precision_policy` answered {policy!r}, which is not a "
-                            f"jaxnitro.plugin.PrecisionPolicy (its members: see that Protocol).")
-        return policy
-    for knob, default in ((precision, "float32"), (remat, False)):
-        if not (type(knob.value) in (str, bool, np.bool_) and knob.value == default):
-            raise ValueError(
-                f"jaxnitro: run knob `{knob.name}` = {knob.value!r} ({knob.source}) needs the built-in "
-                f"plugin `precision` (entry point `precision` in group `jaxnitro`, module "
-                f"jaxnitro.plugins.precision), and it is not loaded{disabled_note()}. Fix: re-enable it "
-                f"(drop `precision` from JAXNITRO_DISABLE_PLUGINS), install a plugin implementing "
-                f"`jaxnitro_precision_policy`, or leave `precision` at 'float32' and `remat` at False."
-            )
-    return FLOAT32
+    at_default = tuple((k, type(k.value) in (str, bool, np.bool_) and k.value == d)
+                       for k, d in ((precision, "float32"), (remat, False)))
+    policy = policy_answer("jaxnitro_precision_policy", PrecisionPolicy, "precision", at_default,
+                           "leave `precision` at 'float32' and `remat` at False", precision=precision, remat=remat)
+    return FLOAT32 if policy is None else policy

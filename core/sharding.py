@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .contracts import ShardingPolicy
-from .plugin_manager import disabled_note, first_result
+from .plugin_manager import policy_answer
 
 __all__ = ["DATA", "REPLICATED", "Layout", "sharding_policy", "param_layout", "constrain"]
 
@@ -52,22 +52,11 @@ def sharding_policy(sharding, mesh_shape, n_devs: int) -> ShardingPolicy:
     ``jaxnitro_sharding_policy`` answer, which checks them; with none, :data:`REPLICATED`
     for ``"replicated"`` without a ``mesh_shape``, else a ``ValueError`` naming the knob and
     the ``sharding`` plugin."""
-    policy = first_result("jaxnitro_sharding_policy", sharding=sharding, mesh_shape=mesh_shape, n_devs=n_devs)
-    if policy is not None:
-        if not isinstance(policy, ShardingPolicy):
-            raise TypeError(f"jaxnitro: `jaxnitro_sharding_policy` answered {policy!r}, which is not a "
-                            f"jaxnitro.plugin.ShardingPolicy (its members: see that Protocol).")
-        return policy
-    for knob, default in ((sharding, "replicated"), (mesh_shape, None)):
-        if knob.value is not None and knob.value != default:
-            raise ValueError(
-                f"jaxnitro: run knob `{knob.name}` = {knob.value!r} ({knob.source}) needs the built-in "
-                f"plugin `sharding` (entry point `sharding` in group `jaxnitro`, module "
-                f"jaxnitro.plugins.sharding), and it is not loaded{disabled_note()}. Fix: re-enable it "
-                f"(drop `sharding` from JAXNITRO_DISABLE_PLUGINS), install a plugin implementing "
-                f"`jaxnitro_sharding_policy`, or leave `sharding` at 'replicated' and `mesh_shape` at None."
-            )
-    return REPLICATED
+    policy = policy_answer("jaxnitro_sharding_policy", ShardingPolicy, "sharding",
+                           ((sharding, sharding.value in (None, "replicated")), (mesh_shape, mesh_shape.value is None)),
+                           "leave `sharding` at 'replicated' and `mesh_shape` at None",
+                           sharding=sharding, mesh_shape=mesh_shape, n_devs=n_devs)
+    return REPLICATED if policy is None else policy
 
 
 def param_layout(policy: ShardingPolicy, e, hooks: dict, params, mesh: Mesh, multi_process: bool = False) -> "Layout":
