@@ -54,7 +54,8 @@ _FLAG = "--xla_force_host_platform_device_count"
 _KEY_ENTRIES = (KEY_DATA, KEY_COUNT)  # the framework's per-batch key entries: never sharded
 
 
-def _check_count(name: str, value, low: int = 1) -> int:
+def check_count(name: str, value, low: int = 1) -> int:
+    """``value`` as an int if it is an integer >= ``low`` (not a bool); ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"jaxnitro: {name} must be an integer >= {low}, got {value!r}.")
     return int(value)
@@ -416,8 +417,8 @@ class ProcessPart:
     def of(cls, index, count, batch_size: int, used: int, who: str) -> "ProcessPart":
         """Validate and make; ``ValueError`` (naming ``who``) for a bad index or count, or a
         ``batch_size`` that does not divide by ``count``."""
-        p = _check_count("process_index", index, 0)
-        c = _check_count("process_count", count, 1)
+        p = check_count("process_index", index, 0)
+        c = check_count("process_count", count, 1)
         if p >= c:
             raise ValueError(f"{who}: process_index {p} is not below process_count {c}")
         if batch_size % c:
@@ -452,7 +453,7 @@ def split_by_process(source, index, count, make_part, n_batches: int, who: str):
     Raises ``ValueError`` (naming ``who``) for a bad index or count, a source already split for
     another part, or a part with no batch.
     """
-    p, c = _check_count("process_index", index, 0), _check_count("process_count", count, 1)
+    p, c = check_count("process_index", index, 0), check_count("process_count", count, 1)
     if p >= c:
         raise ValueError(f"{who}: process_index {p} is not below process_count {c}")
     current = source._part

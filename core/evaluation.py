@@ -273,14 +273,8 @@ def predict_batch(plan, state, device_values: dict, reference: "FieldReference",
     reference.check(host)
     n, w, inputs = _staged_for_forward(plan, state.rng, host, ("forward",), "the prediction batch")
     plan = with_width(plan, w)
-    params, model_state, dev = state.eval_params, state.model_state, device_values
-    dist = _dist(plan)
-    if dist is not None:  # on this process's devices
-        params, model_state, dev = dist.local((params, model_state, dev))
-        inputs = dist.put_local_batch(inputs)
-    else:
-        inputs = jax.device_put(inputs)
-    outputs = plan.programs.forward().jitted(params, model_state, dev, inputs)
+    to_device, params, model_state, dev = _on_devices(plan, state, device_values)  # this process's devices
+    outputs = plan.programs.forward().jitted(params, model_state, dev, to_device(inputs))
     return slice_outputs(jax.device_get(outputs), n, w), plan
 
 

@@ -90,7 +90,7 @@ from .contracts import (
     StopPolicy,
 )
 from .describe import describe, summarize_value
-from .distributed import ProcessPart, split_by_process
+from .distributed import ProcessPart, check_count, split_by_process
 from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
 from .first_step import FirstStep, StepProgram
@@ -130,7 +130,7 @@ __all__ = [
     # the monitored metric
     "check_monitored_value", "monitored_value", "improves", "best_positions",
     # data
-    "as_batch", "check_fields", "check_epoch", "aligned", "ProcessPart", "split_by_process",
+    "as_batch", "check_fields", "check_epoch", "aligned", "ProcessPart", "split_by_process", "check_count",
     # loggers and progress
     "scalar_value", "make_reporter", "current_note", "identify_logger", "describe",
     # checkpoints

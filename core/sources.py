@@ -3,8 +3,9 @@
 :func:`batches_of` turns what ``predict`` was given into its batches: a foreign
 loader is adapted through the ``jaxnitro_adapt_source`` hook first (``split`` is
 ``"predict"``); an index-addressable source (``batch_at``/``begin_epoch``) is read
-as its epoch 0, in index order (then checked one past its end, as the loop's passes
-are: :func:`jaxnitro.serial_pass.check_past_end`); anything else is iterated.
+as its epoch 0, in index order, by the loop's own serial pass
+(:func:`jaxnitro.serial_pass.host_items`: a failing ``batch_at`` named, the check one past
+its end); anything else is iterated.
 :func:`release_sources` calls ``release()`` on every split once, reporting (not
 raising) a failing one so the others are still released.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .plugin_manager import first_result
-from .serial_pass import batch_rows, check_past_end
+from .serial_pass import host_items
 from .source_contract import adapted, is_addressable, use_adapter
 
 __all__ = ["adapt_source", "as_batch", "batches_of", "check_fields", "release_sources"]
@@ -38,21 +39,8 @@ def batches_of(source, split: str) -> Iterator:
     """The batches of ``source`` in order (adapted first when a plugin knows its type)."""
     source = adapted(source, split)
     if is_addressable(source) and not isinstance(source, (list, tuple)):
-        return _indexed(source, split)
+        return (batch for _, batch in host_items(source, True, 0, split))
     return iter(source)
-
-
-def _indexed(source, split: str) -> Iterator:
-    """Epoch 0 of an addressable ``source`` in index order, then the check one past its end
-    (a full batch at ``batch_at(len())``: ``SourceLengthError`` naming ``split``)."""
-    source.begin_epoch(0)
-    n, width = len(source), None
-    for i in range(n):
-        batch = source.batch_at(i)
-        if width is None:
-            width = batch_rows(batch)
-        yield batch
-    check_past_end(source.batch_at, n, width, split, 0)
 
 
 def release_sources(data: dict) -> None:

@@ -26,9 +26,8 @@ import os
 import re
 
 import jax
-import numpy as np
 
-from jaxnitro.plugin import hookimpl
+from jaxnitro.plugin import check_count, hookimpl
 
 __all__ = ["setup_devices", "initialize", "check_coordinator_address", "HOST_DEVICE_FLAG"]
 
@@ -42,12 +41,6 @@ def _set_host_device_count(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{HOST_DEVICE_FLAG}={n}"])
 
 
-def _check_count(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"jaxnitro: {name} must be an integer >= {low}, got {value!r}.")
-    return int(value)
-
-
 def setup_devices(n_devs: int | None = None, backend: str | None = None) -> list:
     """``jn.setup_devices(n_devs, backend)``: make ``n_devs`` devices available; return the
     backend's local devices.
@@ -58,7 +51,7 @@ def setup_devices(n_devs: int | None = None, backend: str | None = None) -> list
     the reason and the fix when the process has fewer devices (on a CPU: JAX's backend had
     already started, so the flag could no longer take effect)."""
     if n_devs is not None:
-        n_devs = _check_count("setup_devices(n_devs=...)", n_devs)
+        n_devs = check_count("setup_devices(n_devs=...)", n_devs)
     if backend is not None:
         if not isinstance(backend, str):
             raise TypeError(f"jaxnitro: setup_devices(backend=...) takes a platform name such as 'cpu', got {backend!r}.")
@@ -97,7 +90,7 @@ def initialize(coordinator_address, num_processes, process_id, local_device_coun
     if coordinator_address is not None:
         check_coordinator_address(coordinator_address)
     if local_device_count is not None:
-        _set_host_device_count(_check_count("initialize(local_device_count=...)", local_device_count))
+        _set_host_device_count(check_count("initialize(local_device_count=...)", local_device_count))
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     try:

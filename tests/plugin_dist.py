@@ -53,3 +53,23 @@ def installed_plugin(site: Path, *, module: str, source: str, dist: str, entry: 
     write_distribution(site, module=module, source=source, dist=dist, entry=entry, version=version)
     with installed(site, module):
         yield importlib.import_module(module)
+
+
+def trains_the_same_without(plugin: str, disabled, run_dir, check=lambda without, with_plugin: None):
+    """Train ``Tiny`` for one epoch, then again with ``plugin`` disabled (``disabled``: the
+    conftest fixture); ``check(without, with_plugin)`` sees the second handle (and the first)
+    before the second trains. Asserts both
+    runs' params bitwise equal (the same programs) and returns the second handle."""
+    import jax
+    import numpy as np
+
+    from tiny import Tiny, tiny_data
+
+    with_plugin = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=run_dir, logger=None).train()
+    disabled(plugin)
+    without = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=run_dir, logger=None)
+    check(without, with_plugin)
+    without.train()
+    for a, b in zip(jax.tree_util.tree_leaves(with_plugin.params), jax.tree_util.tree_leaves(without.params)):
+        np.testing.assert_array_equal(a, b)
+    return without

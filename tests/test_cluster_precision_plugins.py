@@ -13,7 +13,7 @@ import pytest
 
 import jaxnitro as jn
 import jaxnitro.plugin as P
-from plugin_dist import installed_plugin
+from plugin_dist import installed_plugin, trains_the_same_without
 from tiny import Tiny, tiny_data
 
 QUIET = dict(logger=None)
@@ -95,15 +95,12 @@ def test_the_built_in_precision_policy_is_the_precision_plugins():
 
 
 def test_without_the_precision_plugin_float32_trains_the_same_and_the_rest_is_refused(tmp_path, disabled):
-    with_plugin = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, **QUIET).train()
-    disabled("precision")
-    without = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, **QUIET)
-    assert without.plan.programs.precision.key() == with_plugin.plan.programs.precision.key()
-    assert ("precision", "float32", (), False) == without.plan.programs.precision.key()
-    assert "precision" in str(without) and "float32" in str(without)
-    without.train()
-    for a, b in zip(jax.tree_util.tree_leaves(with_plugin.params), jax.tree_util.tree_leaves(without.params)):
-        np.testing.assert_array_equal(a, b)  # bitwise: the same programs
+    def check(without, with_plugin):
+        assert without.plan.programs.precision.key() == with_plugin.plan.programs.precision.key()
+        assert ("precision", "float32", (), False) == without.plan.programs.precision.key()
+        assert "precision" in str(without) and "float32" in str(without)
+
+    trains_the_same_without("precision", disabled, tmp_path, check)  # bitwise: the same programs
     for knob, value, shown in (("precision", "bfloat16", "'bfloat16'"), ("remat", True, "True"),
                                ("remat", "dots_saveable", "'dots_saveable'")):
         with pytest.raises(ValueError) as err:

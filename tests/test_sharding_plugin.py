@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import textwrap
 
-import jax
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
 import jaxnitro as jn
 import jaxnitro.plugin as P
 from jaxnitro.sharding import REPLICATED
-from plugin_dist import installed_plugin
+from plugin_dist import installed_plugin, trains_the_same_without
 from tiny import Tiny, fresh_tiny, tiny_data
 
 QUIET = dict(logger=None)
@@ -30,14 +28,11 @@ def test_the_built_in_sharding_policy_is_the_sharding_plugins():
 
 
 def test_without_the_sharding_plugin_replicated_trains_the_same_and_the_rest_is_refused(tmp_path, disabled):
-    with_plugin = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, **QUIET).train()
-    disabled("sharding")
-    without = jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), run_dir=tmp_path, **QUIET)
-    assert without.settings.sharding_policy is REPLICATED
-    assert not without.plan.layout.sharded and without.plan.layout.mode == "replicated"
-    without.train()
-    for a, b in zip(jax.tree_util.tree_leaves(with_plugin.params), jax.tree_util.tree_leaves(without.params)):
-        np.testing.assert_array_equal(a, b)  # bitwise: the same programs
+    def check(without, with_plugin):
+        assert without.settings.sharding_policy is REPLICATED
+        assert not without.plan.layout.sharded and without.plan.layout.mode == "replicated"
+
+    trains_the_same_without("sharding", disabled, tmp_path, check)  # bitwise: the same programs
     for knob, value in (("sharding", "fsdp"), ("mesh_shape", {"data": 1})):
         with pytest.raises(ValueError) as err:
             jn.Nitro(Tiny(max_epochs=1), data=tiny_data(), **{knob: value}, **QUIET)
