@@ -18,7 +18,8 @@ Entry point ``orbax``. It
 * answers ``jaxnitro_load_weights``: finds the checkpoint(s) a ``weights=`` / ``resume=``
   spec names and describes them as a :class:`jaxnitro.weights.WeightsRecord`.
 
-A checkpoint is a plain orbax checkpoint (``docs/checkpoints.md``) with two items:
+A checkpoint serializes one :class:`jaxnitro.plugin.SavedRun` (``run.run_state.snapshot()``:
+state, rows, data position, open row) as a plain orbax checkpoint (``docs/checkpoints.md``) with two items:
 ``state`` (``StandardSave`` of ``{"params", "model_state", "opt_state", "ema"}``, each key
 present when the run has it; ``opt_state`` is the optimizer rules' state) and ``meta``
 (``JsonSave``: experiment class, GraphConst values, the parameter tree, step, epoch, data
@@ -49,6 +50,7 @@ import numpy as np
 import jaxnitro
 from jaxnitro.plugin import (
     NoCheckpointError,
+    SavedRun,
     WeightsRecord,
     best_positions,
     ema_of,
@@ -544,39 +546,37 @@ class _Saver:
         n = self.ckpt.every_n_steps
         if n is None or step % n:
             return
-        nitro = self.run.nitro
-        rows = nitro.rows
-        row = rows[-1] if rows and rows[-1].get("step") == step else None
-        self.submit(_copy(nitro.state), row, end=None)
+        run_state = self.run.run_state
+        self.submit(run_state.snapshot(_copy(run_state.state)), end=None)
 
     def epoch_trained(self, epoch: int, step: int) -> None:
         self.raise_failed()  # every epoch's end, validated or not: a failed save stops the run there
         if not self.validated and self.due(epoch):
-            self.snapshots[epoch] = _copy(self.run.nitro.state)
+            self.snapshots[epoch] = _copy(self.run.run_state.state)
 
     def epoch_end(self, row: dict) -> None:
         self.raise_failed()
-        epoch = row["epoch"]
+        epoch, run_state = row["epoch"], self.run.run_state
         state = self.snapshots.pop(epoch, None)
-        if state is None and self.run.nitro.state.step == row["step"]:
-            state = _copy(self.run.nitro.state)
+        if state is None and run_state.state.step == row["step"]:
+            state = _copy(run_state.state)
         if state is not None and self.due(epoch):
-            self.submit(state, row, end=None)
+            self.submit(run_state.snapshot(state), end=None)
 
     def finish(self, status: str) -> None:
         try:
-            nitro = self.run.nitro
-            state, rows = nitro.state, nitro.rows
-            row = rows[-1] if rows and rows[-1].get("step") == state.step else None
+            # no run state: the loop never started, nothing was trained
+            saved = self.run.run_state.snapshot() if self.run.run_state is not None else None
+            row = saved.row if saved is not None else None
             # this runs before the loggers finish: what they logged up to the step goes out first
             if status == "done" and row is not None and math.isfinite(row.get("train_loss", 0.0)):
-                if int(state.step) not in self.saved:
+                if saved.step not in self.saved:
                     _flush_loggers(self.run)
-                self.submit(state, row, end=None)  # the last epoch, when `every` skipped it
-            elif status in ("interrupted", "preempted", "diverged") and state.step > self.start_step:
-                if int(state.step) not in self.saved:
+                self.submit(saved, end=None)  # the last epoch, when `every` skipped it
+            elif status in ("interrupted", "preempted", "diverged") and saved and saved.step > self.start_step:
+                if saved.step not in self.saved:
                     _flush_loggers(self.run)
-                self.submit(state, row if status != "diverged" else None, end=status)
+                self.submit(saved, end=status)
         finally:
             self.snapshots.clear()
             with self.lock:  # the run's end waits for every save
@@ -626,18 +626,20 @@ class _Saver:
             f"The run stops as 'failed'; {kept}. {fix}"
         ) from err
 
-    def submit(self, state, row, end) -> None:
-        """Queue one checkpoint of ``state`` (a snapshot nobody donates) for the worker thread.
+    def submit(self, saved, end) -> None:
+        """Queue one checkpoint of ``saved`` (a :class:`SavedRun` whose state nobody donates) for
+        the worker thread; a diverged ``end`` keeps no row and no open row (no resume point).
 
         The checkpoints the keep policies would delete as soon as the newer ones are written
         are dropped before they are written (see ``_prune``). The loop waits only when
         ``max_held`` snapshots are still held after that.
         """
-        step = int(state.step)
+        step = saved.step
         if step in self.saved:
             return
         self.saved.add(step)
-        item = _Pending(step, state, row, dict(self.static, **self._position(state, row, end)), end,
+        row = saved.row if end != "diverged" else None
+        item = _Pending(step, saved.state, row, dict(self.static, **self._position(saved, row, end)), end,
                         self._metrics(row, end))
         with self.lock:
             self.queue.append(item)
@@ -792,11 +794,11 @@ class _Saver:
             "monitor": list(self.monitor) if self.monitor else None,
         }
 
-    def _position(self, state, row, end) -> dict:
-        step = int(state.step)
-        position = self.run.data_position(step) if callable(self.run.data_position) else _epoch_position(self.run, step)
+    def _position(self, saved: SavedRun, row, end) -> dict:
+        """The parts of the record that come from ``saved`` (the run after its step)."""
+        step, position = saved.step, dict(saved.data_position)
         complete = position.pop("epoch_complete")
-        epoch = position["epoch"] if complete else int(state.epoch)
+        epoch = position["epoch"] if complete else int(saved.state.epoch)
         return {
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "step": step,
@@ -805,17 +807,9 @@ class _Saver:
             "data_position": position,
             "metrics": jsonable(dict(row), strict=False) if row is not None else None,
             "end": end,
-            "progress": {"open_row": self._open_row(step, row, end)},
+            "progress": {"open_row": saved.open_row if end != "diverged" else None},
             "horizon": self.run.horizon,  # the steps the schedules were planned over
         }
-
-    def _open_row(self, step: int, row, end) -> list | None:
-        """The read scalars of the history row open at ``step`` (empty at a row's end; None
-        for a diverged end, which is no resume point)."""
-        if end == "diverged" or (row is not None and row.get("step") == step):
-            return [] if end != "diverged" else None
-        open_row = self.run.open_row
-        return open_row(step) if callable(open_row) else None
 
 
 class _FolderGone(FileNotFoundError):
@@ -841,15 +835,6 @@ def _flush_loggers(run) -> None:
                 flush()
             except Exception:  # noqa: BLE001 - never in the way of the run's last checkpoint
                 pass
-
-
-def _epoch_position(run, step: int) -> dict:
-    """The data position after ``step`` of a run with ``steps_per_epoch`` (no loop to ask)."""
-    spe = run.steps_per_epoch
-    complete = step % spe == 0
-    into = 0 if complete else step % spe
-    return {"epoch": step // spe + (0 if complete else 1), "steps_into_epoch": into,
-            "batches_into_epoch": into * run.nitro.settings.accum, "epoch_complete": complete}
 
 
 # -- reading --------------------------------------------------------------------------------------
