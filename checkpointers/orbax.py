@@ -573,7 +573,7 @@ class _Saver:
                 if saved.step not in self.saved:
                     _flush_loggers(self.run)
                 self.submit(saved, end=None)  # the last epoch, when `every` skipped it
-            elif status in ("interrupted", "preempted", "diverged") and saved and saved.step > self.start_step:
+            elif status in ("interrupted", "preempted", "diverged") and saved is not None and saved.step > self.start_step:
                 if saved.step not in self.saved:
                     _flush_loggers(self.run)
                 self.submit(saved, end=status)
