@@ -334,21 +334,23 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, pr
     )
 
 
-def require_monitor_and_val(nitro, name: str, purpose: str, instead: str) -> None:
+def require_monitor_and_val(settings: Settings, splits, cls_name: str, name: str, purpose: str,
+                            instead: str) -> None:
     """For a plugin knob that needs the monitored metric on the `val` split (early stopping,
-    best checkpoints): refuse, naming knob ``name``, its source, ``purpose`` (what the metric
-    is for) and the alternative ``instead``, when there is no ``monitor`` hook or no ``val``
-    split while training."""
-    source, cls_name = nitro.settings.source(name), type(nitro.experiment).__name__
-    if nitro.settings.monitor is None:
+    best checkpoints): refuse, naming knob ``name``, its source (from ``settings``), ``purpose``
+    (what the metric is for) and the alternative ``instead``, when ``settings.monitor`` is None
+    (``cls_name``, the experiment's class, has no ``monitor`` hook) or ``splits`` (the data's
+    split names) has ``train`` but no ``val``."""
+    source = settings.source(name)
+    if settings.monitor is None:
         raise ValueError(
             f"jaxnitro: `{name}` ({source}) {purpose}, but {cls_name} has no `monitor` hook, so "
             f"there is no metric for it. Define `def monitor(self): return ('<metric>', 'max' | "
             f"'min')`, or {instead}."
         )
-    if "val" not in nitro.data and "train" in nitro.data:
+    if "val" not in splits and "train" in splits:
         raise ValueError(
             f"jaxnitro: `{name}` ({source}) {purpose}, ranked on the `val` split's "
-            f"{nitro.settings.monitor[0]!r}, but the data has no `val` split (splits: "
-            f"{sorted(nitro.data)}). Return one from build_data, or {instead}."
+            f"{settings.monitor[0]!r}, but the data has no `val` split (splits: "
+            f"{sorted(splits)}). Return one from build_data, or {instead}."
         )

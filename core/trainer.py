@@ -134,8 +134,8 @@ def run_training(nitro) -> None:
     with stop_signals():
         try:
             record.status = "running"
-            record.run_dir = run_folder_of(nitro)
             dist = nitro.plan.dist
+            record.run_dir = run_folder_of(nitro.plan.resumed, dist, nitro.settings.run_dir, nitro.experiment)
             hold = hold_run_folder(record.run_dir, dist)  # before anything is written into it
             run = RunContext(nitro, record.run_dir)
             logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
@@ -163,16 +163,16 @@ def run_training(nitro) -> None:
             release_sources(nitro.data)  # once per run end; a released source reopens when read again
 
 
-def run_folder_of(nitro) -> str:
-    """The run's folder: with ``resume=`` from a checkpoint its run can continue from, that
-    run's folder (its metrics.jsonl and checkpoints go on); otherwise a new one."""
-    resumed = nitro.plan.resumed
+def run_folder_of(resumed, dist, run_dir: str, experiment) -> str:
+    """The run's folder: with ``resumed`` (``plan.resumed``: ``resume=`` from a checkpoint whose
+    run can continue), that run's folder (its metrics.jsonl and checkpoints go on); otherwise a
+    new one under ``run_dir`` (:func:`new_run_folder`), made by process 0 of a multi-process
+    ``dist`` and shared with the others."""
     if resumed is not None and resumed.continue_folder and resumed.run_folder and os.path.isdir(resumed.run_folder):
         return resumed.run_folder
-    dist = nitro.plan.dist
     if dist is not None and dist.multi_process:  # one folder for the job: process 0 makes it
-        return dist.from_main(new_run_folder(nitro.settings.run_dir, nitro.experiment) if dist.is_main else None)
-    return new_run_folder(nitro.settings.run_dir, nitro.experiment)
+        return dist.from_main(new_run_folder(run_dir, experiment) if dist.is_main else None)
+    return new_run_folder(run_dir, experiment)
 
 
 def _status_of(exc: BaseException) -> str:
