@@ -86,7 +86,7 @@ def _first_batch(plan, train, rng) -> dict:
 def _dev_values(plan, device_values: dict, step: int, scheds) -> dict:
     """The Device values the first dispatch passes at ``step`` (a scheduled field: its host scalar)."""
     if scheds is not None:
-        return scheds.dev(device_values, step)
+        return scheds.dev(step)
     dev = dict(device_values)
     for name in plan.bindings.device:  # a scheduled field arrives as a host scalar per step
         dev[name] = np.zeros((), np.dtype(dev[name].dtype))[()]
@@ -102,7 +102,7 @@ def _hypers_and_scale(plan, accum: int, step: int, scheds):
         scale = dist.replicate(scale)
     if scheds is not None:
         return scheds.hypers(step), scale
-    base = plan.opt_spec.base_vector(plan.base_lr)
+    base = plan.opt_spec.base_vector()
     if plan.bindings.opt:  # scheduled: a host row per step
         return base, scale
     vector = jax.device_put(base)

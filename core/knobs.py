@@ -253,40 +253,6 @@ def max_time_seconds(value, source: str = "keyword") -> float | None:
     return seconds
 
 
-def check_learning_rate(value, source: str) -> float:
-    """The base learning rate as a float; ``ValueError`` unless it is a finite number >= 0.
-
-    ``source`` says where it came from (``"the learning_rate hook of Tiny (experiment)"``).
-    """
-    arr = None if isinstance(value, (str, bytes, bool, np.bool_)) else np.asarray(value)
-    if arr is None or arr.shape != () or arr.dtype.kind not in "iuf":
-        raise TypeError(
-            f"jaxnitro: the base learning rate is {value!r} ({source}); it must be a number, e.g. "
-            f"`def learning_rate(self): return 1e-3`. Return a schedule through "
-            f"`schedules={{'learning_rate': ...}}`, not from `learning_rate`."
-        )
-    rate = float(value)
-    if not math.isfinite(rate) or rate < 0:
-        raise ValueError(
-            f"jaxnitro: the base learning rate is {rate!r} ({source}); it must be a finite "
-            f"number >= 0. A negative rate ascends the loss, NaN or inf makes every weight NaN "
-            f"(reported later as a divergence). Return a positive rate such as 1e-3."
-        )
-    return rate
-
-
-def check_optimizer_groups(groups, cls_name: str) -> None:
-    """Refuse a group whose ``learning_rate_ratio`` or ``weight_decay`` is not a finite number >= 0."""
-    for g in groups:
-        for hook, v in (("learning_rate_ratio", g.ratio), ("weight_decay", g.weight_decay)):
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(
-                    f"jaxnitro: `{hook}({g.name!r})` of {cls_name} returned {v!r}; it must be a "
-                    f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
-                    f"as a divergence). Return a number for group `{g.name}`."
-                )
-
-
 def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, precision_policy=None,
                   sharding_policy=None) -> Settings:
     """Typed settings from resolved knobs (checked with :func:`check_values` first), made once:

@@ -25,6 +25,7 @@ hyperparameter vector (a new decay compiles nothing); :func:`ema_of` reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -187,6 +188,7 @@ class OptimizerSpec:
     clip_norm: float
     layout: HyperLayout
     ema_decay: float | None = None
+    base_lr: float = 1e-3  # the experiment's `learning_rate()`, checked (a schedule multiplies nothing here)
 
     def key(self) -> tuple:
         return (
@@ -239,8 +241,9 @@ class OptimizerSpec:
         )
         return clipped
 
-    def base_vector(self, base_lr: float) -> np.ndarray:
+    def base_vector(self) -> np.ndarray:
         """The hyperparameter vector with no schedule: ``ratio * base_lr``, each group's decay, the clip."""
+        base_lr = self.base_lr
         out = np.zeros(self.layout.size, np.float32)
         out[self.layout.clip_index] = self.clip_norm
         if self.ema:
@@ -378,11 +381,13 @@ def set_hypers(opt_state, spec: OptimizerSpec, vector):
 
 
 def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | None = None) -> OptimizerSpec:
-    """Resolve groups, rules, ratios, decays and decay anchors from the experiment's hooks.
+    """Resolve groups, rules, ratios, decays, decay anchors and the base learning rate from the
+    experiment's hooks.
 
     ``hooks`` maps hook names to :class:`~jaxnitro.plugin_manager.ResolvedHook`.
-    Raises ``ValueError`` naming the group when a ratio or decay is negative,
-    a rule is not callable or ``decay_anchor`` is not ``"zero"`` / ``"w0"``.
+    Raises ``ValueError`` naming the group when a ratio or decay is negative or not finite,
+    a rule is not callable or ``decay_anchor`` is not ``"zero"`` / ``"w0"``; ``TypeError`` /
+    ``ValueError`` naming the hook when ``learning_rate`` is not a finite number >= 0.
     """
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     group_of = hooks["param_group"].function
@@ -426,5 +431,45 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
             )
         groups.append(GroupSpec(name, rule, ratio, decay, counts[name], anchor))
         slots += [(name, h) for h in HYPERS]  # rule hyperparameters join when scheduled (with_scheduled)
+    check_optimizer_groups(groups, type(e).__name__)
+    base_lr = check_learning_rate(
+        hooks["learning_rate"].function(e),
+        f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
+    )
     layout = HyperLayout(tuple(slots), ema=ema_decay is not None)
-    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), layout, ema_decay)
+    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), layout, ema_decay, base_lr)
+
+
+def check_learning_rate(value, source: str) -> float:
+    """The base learning rate as a float; ``ValueError`` unless it is a finite number >= 0.
+
+    ``source`` says where it came from (``"the learning_rate hook of Tiny (experiment)"``).
+    """
+    arr = None if isinstance(value, (str, bytes, bool, np.bool_)) else np.asarray(value)
+    if arr is None or arr.shape != () or arr.dtype.kind not in "iuf":
+        raise TypeError(
+            f"jaxnitro: the base learning rate is {value!r} ({source}); it must be a number, e.g. "
+            f"`def learning_rate(self): return 1e-3`. Return a schedule through "
+            f"`schedules={{'learning_rate': ...}}`, not from `learning_rate`."
+        )
+    rate = float(value)
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError(
+            f"jaxnitro: the base learning rate is {rate!r} ({source}); it must be a finite "
+            f"number >= 0. A negative rate ascends the loss, NaN or inf makes every weight NaN "
+            f"(reported later as a divergence). Return a positive rate such as 1e-3."
+        )
+    return rate
+
+
+def check_optimizer_groups(groups, cls_name: str) -> None:
+    """Refuse a group whose ``learning_rate_ratio`` or ``weight_decay`` is not a finite number >= 0."""
+    for g in groups:
+        for hook, v in (("learning_rate_ratio", g.ratio), ("weight_decay", g.weight_decay)):
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"jaxnitro: `{hook}({g.name!r})` of {cls_name} returned {v!r}; it must be a "
+                    f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
+                    f"as a divergence). Return a number for group `{g.name}`."
+                )
+

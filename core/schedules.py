@@ -22,6 +22,7 @@ ambiguity error that shows both qualified forms.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -392,10 +393,12 @@ class StepValues:
     gets the last step's values.
 
     * ``hypers(step)``: one float32 vector (a device constant when no optimizer
-      value is scheduled); ``hypers_block(step, k)``: ``[k, n]``;
-    * ``dev(base, step)``: the Device values with scheduled fields replaced;
-      ``dev_block(step, k)``: ``{field: [k]}``; ``device``: the scheduled fields'
-      streams by name (its keys are the scheduled fields);
+      value is scheduled, on every device of a sharded ``plan.dist``); ``hypers_block(step, k)``: ``[k, n]``;
+    * ``dev(step)``: the run's Device values (``device_values``, the handle's dict, held and
+      not copied, so what ``nitro.set_device`` writes there is what the next step reads) with
+      the scheduled fields replaced; ``dev_block(step, k)``: every Device value per step of a
+      block, ``{field: [k, ...]}``; ``device``: the scheduled fields' streams by name (its
+      keys are the scheduled fields);
     * ``logged``: ``schedule/<group>/<hyper>`` and ``schedule/<field>`` mapped to a
       :class:`ScheduleLog` for each schedule that varies;
     * ``evaluated``: the schedule step values computed so far, all schedules together.
@@ -405,7 +408,8 @@ class StepValues:
         spec = plan.opt_spec
         self.total = total = max(int(total), 1)
         self.layout = spec.layout
-        self.base = spec.base_vector(plan.base_lr)
+        self.base = spec.base_vector()
+        self.values = device_values
         bindings = plan.bindings
         self.constant = not bindings.opt
         self.logged: dict[str, ScheduleLog] = {}
@@ -413,6 +417,8 @@ class StepValues:
         self.slots: list[tuple[int, ScheduleStream, float]] = []  # (column, stream, multiplier)
         if self.constant:
             self.vector = jax.device_put(self.base)
+            if plan.dist is not None and plan.dist.sharded:  # on every device once, not per step
+                self.vector = plan.dist.replicate(self.vector)
         else:
             bare = {
                 h: self._stream(f, f"opt/{h}") for (g, h), f in bindings.opt.items() if g is None
@@ -447,6 +453,7 @@ class StepValues:
         self.block = min((s.block for s in self.streams), default=BLOCK)
         self._hyper_tables: dict[int, np.ndarray] = {}
         self._dev_tables: dict[tuple[str, int], np.ndarray] = {}
+        self._tiled: dict[int, dict] = {}  # k -> the unscheduled Device values, k copies each
 
     def _log_decay(self, gspec, lr_slot: int, bindings, varying_rate: bool) -> None:
         """Log ``schedule/<group>/weight_decay``: the decoupled decay as applied at each step,
@@ -520,10 +527,19 @@ class StepValues:
         return np.stack([self.hypers(s) for s in range(step, step + k)])
 
     def dev_block(self, step: int, k: int) -> dict:
-        """The scheduled Device fields of steps ``step .. step + k - 1``: ``{name: [k]}``."""
+        """Every Device value of steps ``step .. step + k - 1``: ``{name: [k, ...]}``.
+
+        Each enters the block program per step, as a scanned input: a value closed over by
+        the loop is loop-invariant to XLA, which may then reassociate arithmetic with it
+        (hoisting it out of the loop) and round differently from the one-step program; a
+        per-step input keeps the step's arithmetic as it is. The unscheduled ones are tiled
+        once per ``k`` (on the device), the scheduled ones read from their tables."""
+        tiled = self._tiled.get(k)
+        if tiled is None:
+            tiled = self._tiled[k] = _tiled({n: v for n, v in self.values.items() if n not in self.device}, k)
         if not self.device:
-            return {}
-        out = {}
+            return tiled
+        out = dict(tiled)
         for name in self.device:
             b, i = divmod(min(step, self.total - 1), self.block)
             table = self._dev_table(name, b)
@@ -533,11 +549,18 @@ class StepValues:
                 out[name] = np.asarray([self._dev_row(name, s) for s in range(step, step + k)], self.dtypes[name])
         return out
 
-    def dev(self, base: dict, step: int) -> dict:
-        """``base`` with each scheduled Device field replaced by its value at ``step``."""
+    def dev(self, step: int) -> dict:
+        """The Device values of ``step``: the run's, each scheduled field replaced by its value there."""
         if not self.device:
-            return base
-        out = dict(base)
+            return self.values
+        out = dict(self.values)
         for name in self.device:
             out[name] = self._dev_row(name, step)
         return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _tiled(values: dict, k: int) -> dict:
+    """Each value with a leading axis of ``k`` copies (compiled: also for arrays spanning the
+    processes of a multi-process job, which eager operations refuse)."""
+    return {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in values.items()}

@@ -267,8 +267,6 @@ class _Run:
         scale = jax.device_put(np.float32(1.0 / accum))
         if dist is not None:
             scale = dist.replicate(scale)
-            if self.scheds.constant:  # the one hyperparameter vector: on every device once, not per step
-                self.scheds.vector = dist.replicate(self.scheds.vector)
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
         extra, columns = {}, None
         if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
@@ -293,7 +291,7 @@ class _Run:
             k=k, accum=accum, step_fn=self.step_prog.jitted,
             accumulate=progs.accumulate().jitted if accum > 1 else None,
             block_fn=self.block_prog.jitted if self.block_prog else None, scheds=self.scheds,
-            device_values=nitro.device_values, scale=scale, extra=extra,
+            scale=scale, extra=extra,
             columns=columns.device if columns is not None else None,
         )
         return dispatcher, transfer, columns
