@@ -22,10 +22,7 @@ import time
 
 import numpy as np
 
-from .batches import batch_width
-from .routing import KEY_COUNT, KEY_DATA
-
-__all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+__all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader"]
 
 
 DISPATCH_BOUND = 0.1
@@ -272,50 +269,3 @@ class Dispatcher:
         finally:
             self.annotate = annotate
         return leaves, step, outcome
-
-
-def keyed(transfer, key_data, counter, *, with_key: bool = True):
-    """Wrap ``transfer`` to add the micro-batch number (``KEY_COUNT``, from ``counter``) and,
-    with ``with_key``, the run's base key (``KEY_DATA``; a ``k > 1`` block carries it once)."""
-    def keyed_transfer(batch):
-        batch = transfer(batch)
-        if with_key:
-            batch[KEY_DATA] = key_data
-        batch[KEY_COUNT] = np.uint32(next(counter))
-        return batch
-
-    return keyed_transfer
-
-
-def counted(transfer, counter):
-    """:func:`keyed` without the base key (``steps_per_dispatch`` > 1)."""
-    return keyed(transfer, None, counter, with_key=False)
-
-
-def width_checked(transfer, width: int):
-    """Wrap ``transfer`` to refuse a train batch of another width (a short batch anywhere, a
-    partial final one, an empty one) or one that is not a dict of arrays.
-
-    Setup reads every batch of a list; other sources are checked here, as each batch is
-    staged: a length per field in the common case (well under a microsecond), the full
-    check (:func:`jaxnitro.batches.batch_width`, naming the problem) only when one differs.
-    """
-
-    def checked(batch):
-        try:
-            same = all(len(v) == width for v in batch.values())
-        except TypeError:  # a field without len(), or not a dict at all
-            same = False
-        if not same:
-            n = batch_width(batch, "train batch")
-            if n != width:
-                raise ValueError(
-                    f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have "
-                    f"{width}. Every train batch must have that width: the train split must drop its "
-                    f"partial final batch, and have no short batch anywhere (it would compile a "
-                    f"second train step and weight its rows differently). Fix: build the loader "
-                    f"with drop_last=True and equal batch sizes."
-                )
-        return transfer(batch)
-
-    return checked

@@ -53,21 +53,62 @@ def _dist(plan):
     return dist if dist is not None and dist.sharded else None
 
 
-def make_transfer(plan, hooks):
-    """The host->device transfer of exactly the fields ``hooks`` declare in ``plan``'s routes
-    (others never leave the host).
+def make_transfer(plan, hooks, *, on_host: bool = False, width: int | None = None, counter=None, key=None):
+    """The staging of one batch of a split, one call per batch: exactly the fields ``hooks``
+    declare in ``plan``'s routes (others never leave the host), placed for the programs.
 
     On several devices (``n_devs`` > 1, or several processes) every field is placed sharded
     on its first dimension over the data mesh (in a multi-process job: this process's rows
-    of the global batch, ``jax.make_array_from_process_local_data``)."""
+    of the global batch, ``jax.make_array_from_process_local_data``); on one accelerator
+    ``jax.device_put``; on the CPU it stays NumPy (:func:`stages_on_device`).
+
+    The train split's (the loop's) also takes: ``on_host``, keep the fields NumPy (a block of
+    ``k`` steps is stacked on the host and sent at once); ``width``, refuse a batch of another
+    width (None: setup read every batch already); ``counter``, add each micro-batch's number
+    (``KEY_COUNT``, from the iterator) and ``key``, the run's base key (``KEY_DATA``; None
+    when a block carries it once)."""
     fields = _device_fields(plan.routes, hooks)
     dist = _dist(plan)
-    if dist is not None:
-        return lambda batch: dist.put_batch({f: batch[f] for f in fields if f in batch})
-    if not stages_on_device():
-        return lambda batch: {f: batch[f] for f in fields if f in batch}
-    put = jax.device_put
-    return lambda batch: put({f: batch[f] for f in fields if f in batch})
+    if on_host or (dist is None and not stages_on_device()):
+        put = None
+    else:
+        put = jax.device_put if dist is None else dist.put_batch
+
+    def transfer(batch):
+        if width is not None:
+            try:
+                same = all(len(v) == width for v in batch.values())
+            except TypeError:  # a field without len(), or not a dict at all
+                same = False
+            if not same:
+                _check_train_width(batch, width)
+        out = {f: batch[f] for f in fields if f in batch}
+        if put is not None:
+            out = put(out)
+        if counter is not None:
+            if key is not None:
+                out[KEY_DATA] = key
+            out[KEY_COUNT] = np.uint32(next(counter))
+        return out
+
+    return transfer
+
+
+def _check_train_width(batch, width: int) -> None:
+    """Refuse a train batch of another width than ``width`` (a short batch anywhere, a partial
+    final one, an empty one) or one that is not a dict of arrays (naming the problem:
+    :func:`jaxnitro.batches.batch_width`). Setup reads every batch of a list; other sources
+    are checked as each batch is staged: a length per field in the common case (well under a
+    microsecond, in :func:`make_transfer`), this full check only when one differs."""
+    n = batch_width(batch, "train batch")
+    if n != width:
+        raise ValueError(
+            f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have "
+            f"{width}. Every train batch must have that width: the train split must drop its "
+            f"partial final batch, and have no short batch anywhere (it would compile a "
+            f"second train step and weight its rows differently). Fix: build the loader "
+            f"with drop_last=True and equal batch sizes."
+        )
 
 
 def key_entries(rng) -> dict:

@@ -24,7 +24,7 @@ import structlog
 from .batches import unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
-from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
+from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, emit, emit_finish, run_scoped
 from .interrupts import Preempted, deferring, immediate, stop_signals
@@ -268,25 +268,23 @@ class _Run:
         if dist is not None:
             scale = dist.replicate(scale)
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
-        extra, columns = {}, None
+        fields, source, extra, columns = _device_fields(plan.routes, TRAIN_HOOKS), unwrap(self.train), {}, None
         if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
-            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(plan.routes, TRAIN_HOOKS), 1, accum, keyed_run, False)
+            columns = ColumnBlocks.of(source, fields, 1, accum, keyed_run, False)
             if columns is None:
                 self.probe = None
-        if k > 1 or self.probe is not None:  # batches stay on the host until a block of k * accum is sent at once
-            fields = _device_fields(plan.routes, TRAIN_HOOKS)
-            transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
+        on_host = k > 1 or self.probe is not None  # batches stay on the host until a block of k * accum is sent at once
+        if on_host:
             if keyed_run:
                 extra = {KEY_DATA: nitro.state.rng}
             if columns is None:
-                columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
-        else:
-            transfer = make_transfer(plan, TRAIN_HOOKS)
-        if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
-            transfer = width_checked(transfer, plan.width)
-        if keyed_run:
-            counter = itertools.count(nitro.step * accum)
-            transfer = keyed(transfer, nitro.state.rng, counter) if not extra else counted(transfer, counter)
+                columns = ColumnBlocks.of(source, fields, k, accum, keyed_run, dist is not None)
+        transfer = make_transfer(
+            plan, TRAIN_HOOKS, on_host=on_host,
+            width=None if isinstance(source, (list, tuple)) else plan.width,  # setup read every batch of a list
+            counter=itertools.count(nitro.step * accum) if keyed_run else None,
+            key=None if extra else nitro.state.rng,
+        )
         dispatcher = Dispatcher(
             k=k, accum=accum, step_fn=self.step_prog.jitted,
             accumulate=progs.accumulate().jitted if accum > 1 else None,
