@@ -491,7 +491,7 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
                 acc.add({"loss": (_traced_loss(plan, device_values, host_out, first, state.rng), 1)})
         final = _finalized(plan, e, acc.result(check_counts=False), "val")
     if monitor is not None:
-        _check_monitored_in(final, monitor[0])
+        check_monitored_in(final, monitor[0], " for its first batch")
 
 
 def _traced_forward(plan, state, device_values: dict, inputs: dict):
@@ -546,27 +546,29 @@ def _traced_loss(plan, device_values: dict, host_out, first: dict, rng):
     return _zeros_like(jax.eval_shape(loss, device_values, host_out, rng))
 
 
-def _check_monitored_in(final: dict, name: str) -> None:
-    """The monitored metric ``name`` is among the `val` split's first metrics, and one number."""
+def check_monitored_in(final: dict, name: str, what: str = "") -> None:
+    """The monitored metric ``name`` is among the `val` split's metrics ``final``, and one
+    number (:func:`check_monitored_value`): checked at setup on the first batch (``what``:
+    ``" for its first batch"``) and on every validation, before the row carrying it reaches
+    a plugin."""
     if name not in final:
         raise KeyError(
             f"jaxnitro: `monitor` names {name!r}, but the `val` split's metrics are {sorted(final)} "
-            f"(what finalize_metrics returned for its first batch). Return {name!r} from "
+            f"(what finalize_metrics returned{what}). Return {name!r} from "
             f"`metrics`/`finalize_metrics`, or monitor one of those."
         )
     check_monitored_value(name, final[name])
 
 
 def monitored_value(run, row: dict):
-    """``(name, mode, value)`` of the monitored metric in history row ``row`` (checked to be one
-    number: :func:`check_monitored_value`), or None when the run has no ``monitor`` or the row
-    lacks the metric (a row that was not validated). What stop policies read at each row."""
+    """``(name, mode, value)`` of the monitored metric in history row ``row``, or None when the
+    run has no ``monitor`` or the row lacks the metric (a row that was not validated). What
+    stop policies read at each row; the loop checked the value (:func:`check_monitored_in`)
+    when it merged the validation's metrics into the row."""
     monitor = run.monitor
     if monitor is None or monitor[0] not in row:
         return None
-    name, mode = monitor
-    check_monitored_value(name, row[name])
-    return name, mode, row[name]
+    return (*monitor, row[monitor[0]])
 
 
 def check_monitored_value(name: str, value) -> None:
