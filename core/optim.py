@@ -446,18 +446,17 @@ def check_learning_rate(value, source: str) -> float:
     ``source`` says where it came from (``"the learning_rate hook of Tiny (experiment)"``).
     """
     arr = None if isinstance(value, (str, bytes, bool, np.bool_)) else np.asarray(value)
-    if arr is None or arr.shape != () or arr.dtype.kind not in "iuf":
+    rate = float(value) if arr is not None and arr.shape == () and arr.dtype.kind in "iuf" else None
+    said = f"jaxnitro: the base learning rate is {value if rate is None else rate!r} ({source}); it must be"
+    if rate is None:
         raise TypeError(
-            f"jaxnitro: the base learning rate is {value!r} ({source}); it must be a number, e.g. "
-            f"`def learning_rate(self): return 1e-3`. Return a schedule through "
-            f"`schedules={{'learning_rate': ...}}`, not from `learning_rate`."
+            f"{said} a number, e.g. `def learning_rate(self): return 1e-3`. Return a schedule "
+            f"through `schedules={{'learning_rate': ...}}`, not from `learning_rate`."
         )
-    rate = float(value)
     if not math.isfinite(rate) or rate < 0:
         raise ValueError(
-            f"jaxnitro: the base learning rate is {rate!r} ({source}); it must be a finite "
-            f"number >= 0. A negative rate ascends the loss, NaN or inf makes every weight NaN "
-            f"(reported later as a divergence). Return a positive rate such as 1e-3."
+            f"{said} a finite number >= 0. A negative rate ascends the loss, NaN or inf makes every "
+            f"weight NaN (reported later as a divergence). Return a positive rate such as 1e-3."
         )
     return rate
 
