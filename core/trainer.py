@@ -25,8 +25,9 @@ from .batches import unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
 from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader
-from .evaluation import _device_fields, check_monitored_in, evaluate_split, make_transfer, stages_on_device
+from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, emit, emit_finish, run_scoped
+from .history import check_monitored_in
 from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
