@@ -54,19 +54,13 @@ def _dist(plan):
 
 
 def make_transfer(plan, hooks, *, on_host: bool = False, width: int | None = None, counter=None, key=None):
-    """The staging of one batch of a split, one call per batch: exactly the fields ``hooks``
-    declare in ``plan``'s routes (others never leave the host), placed for the programs.
-
-    On several devices (``n_devs`` > 1, or several processes) every field is placed sharded
-    on its first dimension over the data mesh (in a multi-process job: this process's rows
-    of the global batch, ``jax.make_array_from_process_local_data``); on one accelerator
-    ``jax.device_put``; on the CPU it stays NumPy (:func:`stages_on_device`).
-
-    The train split's (the loop's) also takes: ``on_host``, keep the fields NumPy (a block of
-    ``k`` steps is stacked on the host and sent at once); ``width``, refuse a batch of another
-    width (None: setup read every batch already); ``counter``, add each micro-batch's number
-    (``KEY_COUNT``, from the iterator) and ``key``, the run's base key (``KEY_DATA``; None
-    when a block carries it once)."""
+    """The staging of one batch, one call per batch: the fields ``hooks`` declare in ``plan``'s
+    routes (others never leave the host), sharded over the data mesh on several devices (in a
+    multi-process job, this process's rows), ``device_put`` on one accelerator, NumPy on the
+    CPU (:func:`stages_on_device`) or ``on_host`` (a block of ``k`` steps is sent at once).
+    The loop's train split also passes ``width`` (refuse a batch of another width; None: setup
+    read every batch), ``counter`` (each micro-batch's ``KEY_COUNT``) and ``key`` (the run's
+    ``KEY_DATA``; None when a block carries it once)."""
     fields = _device_fields(plan.routes, hooks)
     dist = _dist(plan)
     if on_host or (dist is None and not stages_on_device()):
@@ -95,11 +89,9 @@ def make_transfer(plan, hooks, *, on_host: bool = False, width: int | None = Non
 
 
 def _check_train_width(batch, width: int) -> None:
-    """Refuse a train batch of another width than ``width`` (a short batch anywhere, a partial
-    final one, an empty one) or one that is not a dict of arrays (naming the problem:
-    :func:`jaxnitro.batches.batch_width`). Setup reads every batch of a list; other sources
-    are checked as each batch is staged: a length per field in the common case (well under a
-    microsecond, in :func:`make_transfer`), this full check only when one differs."""
+    """Refuse a train batch of another width than ``width`` (a short, partial or empty one) or
+    one that is not a dict of arrays (:func:`jaxnitro.batches.batch_width` names the problem):
+    :func:`make_transfer` compares a length per field, and calls this only when one differs."""
     n = batch_width(batch, "train batch")
     if n != width:
         raise ValueError(

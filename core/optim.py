@@ -406,38 +406,46 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
         names.append(g)
         counts[g] = counts.get(g, 0) + int(np.size(leaf))
     labels = jax.tree_util.tree_unflatten(treedef, names)
-    groups = []
-    slots = []
-    for name in sorted(counts):
-        rule = hooks["optimizer"].function(e, name)
-        if not callable(rule):
-            raise TypeError(
-                f"jaxnitro: `optimizer` returned {rule!r} for group `{name}`; return an optax rule "
-                f"factory such as `optax.radam` (called with `learning_rate`)."
-            )
-        ratio = float(hooks["learning_rate_ratio"].function(e, name))
-        decay = float(hooks["weight_decay"].function(e, name))
-        if ratio < 0 or decay < 0:
-            raise ValueError(
-                f"jaxnitro: group `{name}` has learning_rate_ratio={ratio} and weight_decay={decay}; "
-                f"both must be >= 0."
-            )
-        anchor = hooks["decay_anchor"].function(e, name) if "decay_anchor" in hooks else "zero"
-        if not isinstance(anchor, str) or anchor not in ANCHORS:
-            raise ValueError(
-                f"jaxnitro: `decay_anchor` returned {anchor!r} for group `{name}`; it must return "
-                f"'zero' (decay toward zero, the default) or 'w0' (L2-SP: toward the group's initial "
-                f"weights, or the transferred ones with `weights=..., w0='weights'`)."
-            )
-        groups.append(GroupSpec(name, rule, ratio, decay, counts[name], anchor))
-        slots += [(name, h) for h in HYPERS]  # rule hyperparameters join when scheduled (with_scheduled)
-    check_optimizer_groups(groups, type(e).__name__)
+    groups = tuple(_group_spec(e, hooks, name, n) for name, n in sorted(counts.items()))
+    slots = [(g.name, h) for g in groups for h in HYPERS]  # rule hyperparameters join when scheduled (with_scheduled)
     base_lr = check_learning_rate(
         hooks["learning_rate"].function(e),
         f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
     )
     layout = HyperLayout(tuple(slots), ema=ema_decay is not None)
-    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), layout, ema_decay, base_lr)
+    return OptimizerSpec(groups, labels, float(clip_norm or 0.0), layout, ema_decay, base_lr)
+
+
+def _group_spec(e, hooks, name: str, n_params: int) -> GroupSpec:
+    """Group ``name``'s rule, ratio, decay and decay anchor from the experiment's hooks, checked."""
+    rule = hooks["optimizer"].function(e, name)
+    if not callable(rule):
+        raise TypeError(
+            f"jaxnitro: `optimizer` returned {rule!r} for group `{name}`; return an optax rule "
+            f"factory such as `optax.radam` (called with `learning_rate`)."
+        )
+    ratio = float(hooks["learning_rate_ratio"].function(e, name))
+    decay = float(hooks["weight_decay"].function(e, name))
+    if ratio < 0 or decay < 0:
+        raise ValueError(
+            f"jaxnitro: group `{name}` has learning_rate_ratio={ratio} and weight_decay={decay}; "
+            f"both must be >= 0."
+        )
+    for hook, v in (("learning_rate_ratio", ratio), ("weight_decay", decay)):
+        if not math.isfinite(v):
+            raise ValueError(
+                f"jaxnitro: `{hook}({name!r})` of {type(e).__name__} returned {v!r}; it must be a "
+                f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
+                f"as a divergence). Return a number for group `{name}`."
+            )
+    anchor = hooks["decay_anchor"].function(e, name) if "decay_anchor" in hooks else "zero"
+    if not isinstance(anchor, str) or anchor not in ANCHORS:
+        raise ValueError(
+            f"jaxnitro: `decay_anchor` returned {anchor!r} for group `{name}`; it must return "
+            f"'zero' (decay toward zero, the default) or 'w0' (L2-SP: toward the group's initial "
+            f"weights, or the transferred ones with `weights=..., w0='weights'`)."
+        )
+    return GroupSpec(name, rule, ratio, decay, n_params, anchor)
 
 
 def check_learning_rate(value, source: str) -> float:
@@ -459,16 +467,3 @@ def check_learning_rate(value, source: str) -> float:
             f"weight NaN (reported later as a divergence). Return a positive rate such as 1e-3."
         )
     return rate
-
-
-def check_optimizer_groups(groups, cls_name: str) -> None:
-    """Refuse a group whose ``learning_rate_ratio`` or ``weight_decay`` is not a finite number >= 0."""
-    for g in groups:
-        for hook, v in (("learning_rate_ratio", g.ratio), ("weight_decay", g.weight_decay)):
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(
-                    f"jaxnitro: `{hook}({g.name!r})` of {cls_name} returned {v!r}; it must be a "
-                    f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
-                    f"as a divergence). Return a number for group `{g.name}`."
-                )
-

@@ -394,11 +394,9 @@ class StepValues:
 
     * ``hypers(step)``: one float32 vector (a device constant when no optimizer
       value is scheduled, on every device of a sharded ``plan.dist``); ``hypers_block(step, k)``: ``[k, n]``;
-    * ``dev(step)``: the run's Device values (``device_values``, the handle's dict, held and
-      not copied, so what ``nitro.set_device`` writes there is what the next step reads) with
-      the scheduled fields replaced; ``dev_block(step, k)``: every Device value per step of a
-      block, ``{field: [k, ...]}``; ``device``: the scheduled fields' streams by name (its
-      keys are the scheduled fields);
+    * ``dev(step)``: ``device_values`` (the handle's dict, held: ``nitro.set_device`` writes
+      there) with the scheduled fields replaced; ``dev_block(step, k)``: ``{field: [k, ...]}``;
+      ``device``: the scheduled fields' streams by name;
     * ``logged``: ``schedule/<group>/<hyper>`` and ``schedule/<field>`` mapped to a
       :class:`ScheduleLog` for each schedule that varies;
     * ``evaluated``: the schedule step values computed so far, all schedules together.
@@ -527,13 +525,9 @@ class StepValues:
         return np.stack([self.hypers(s) for s in range(step, step + k)])
 
     def dev_block(self, step: int, k: int) -> dict:
-        """Every Device value of steps ``step .. step + k - 1``: ``{name: [k, ...]}``.
-
-        Each enters the block program per step, as a scanned input: a value closed over by
-        the loop is loop-invariant to XLA, which may then reassociate arithmetic with it
-        (hoisting it out of the loop) and round differently from the one-step program; a
-        per-step input keeps the step's arithmetic as it is. The unscheduled ones are tiled
-        once per ``k`` (on the device), the scheduled ones read from their tables."""
+        """Every Device value of steps ``step .. step + k - 1``, ``{name: [k, ...]}``, the fixed
+        ones tiled once per ``k``: a per-step (scanned) input, as XLA may hoist a loop-invariant
+        one out of the loop and round differently from the one-step program."""
         tiled = self._tiled.get(k)
         if tiled is None:
             tiled = self._tiled[k] = _tiled({n: v for n, v in self.values.items() if n not in self.device}, k)

@@ -62,13 +62,10 @@ class SourceLengthError(PrefetchError, ValueError):
     @classmethod
     def _made(cls, split: str | None, length: int, count: int, index: int, epoch: int, text: str,
               subject: str | None = None) -> SourceLengthError:
-        """An error whose message is ``subject`` then ``text`` (``" is 4, but ..."``), made
-        without :meth:`__init__` (which words the iterated case). ``subject`` names the length
-        that disagrees; None: ``"jaxnitro: the `<split>` split's len()"`` (``a data source's``
-        when ``split`` is None)."""
+        """An error whose message is ``subject`` (None: ``jaxnitro: the `<split>` split's len()``)
+        then ``text`` (``" is 4, but ..."``), made without :meth:`__init__` (the iterated case)."""
         err = cls.__new__(cls)
-        if subject is None:
-            subject = f"jaxnitro: {f'the `{split}` split' if split else 'a data source'}'s len()"
+        subject = subject or f"jaxnitro: {f'the `{split}` split' if split else 'a data source'}'s len()"
         PrefetchError.__init__(err, f"{subject}{text}", index=index, epoch=epoch)
         err.split, err.length, err.count = split, length, count
         return err
