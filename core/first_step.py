@@ -102,7 +102,7 @@ def _hypers_and_scale(plan, accum: int, step: int, scheds):
         scale = dist.replicate(scale)
     if scheds is not None:
         return scheds.hypers(step), scale
-    base = plan.opt_spec.base_vector()
+    base = plan.opt_spec.base
     if plan.bindings.opt:  # scheduled: a host row per step
         return base, scale
     vector = jax.device_put(base)

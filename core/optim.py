@@ -25,6 +25,7 @@ hyperparameter vector (a new decay compiles nothing); :func:`ema_of` reads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -188,7 +189,7 @@ class OptimizerSpec:
     clip_norm: float
     layout: HyperLayout
     ema_decay: float | None = None
-    base_lr: float = 1e-3  # the experiment's `learning_rate()`, checked (a schedule multiplies nothing here)
+    base_lr: float = 1e-3  # the experiment's `learning_rate()`, checked
 
     def key(self) -> tuple:
         return (
@@ -241,9 +242,11 @@ class OptimizerSpec:
         )
         return clipped
 
-    def base_vector(self) -> np.ndarray:
-        """The hyperparameter vector with no schedule: ``ratio * base_lr``, each group's decay, the clip."""
-        base_lr = self.base_lr
+    @functools.cached_property
+    def base(self) -> np.ndarray:
+        """The hyperparameter vector with no schedule (read-only, made once per spec): ``ratio *
+        base_lr`` per group, each group's decay, a scheduled rule hyperparameter's default, the
+        clip threshold, the EMA decay."""
         out = np.zeros(self.layout.size, np.float32)
         out[self.layout.clip_index] = self.clip_norm
         if self.ema:
@@ -251,11 +254,12 @@ class OptimizerSpec:
         for i, (group, hyper) in enumerate(self.layout.slots):
             g = next(x for x in self.groups if x.name == group)
             if hyper == "learning_rate":
-                out[i] = g.ratio * base_lr
+                out[i] = g.ratio * self.base_lr
             elif hyper == "weight_decay":
                 out[i] = g.weight_decay
             else:  # a rule's own hyperparameter (always scheduled): its default until then
                 out[i] = rule_hypers(g.rule)[hyper]
+        out.setflags(write=False)
         return out
 
     def with_scheduled(self, scheduled: dict) -> "OptimizerSpec":

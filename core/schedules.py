@@ -406,7 +406,7 @@ class StepValues:
         spec = plan.opt_spec
         self.total = total = max(int(total), 1)
         self.layout = spec.layout
-        self.base = spec.base_vector()
+        self.base = spec.base
         self.values = device_values
         bindings = plan.bindings
         self.constant = not bindings.opt

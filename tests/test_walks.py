@@ -36,7 +36,7 @@ def nitro(tmp_path):
 def test_the_learning_rate_is_kept_once_in_the_optimizer_spec(nitro):
     assert "base_lr" not in {f.name for f in dataclasses.fields(Plan)}
     assert nitro.plan.opt_spec.base_lr == nitro.plan.base_lr == 1e-2  # Tiny's learning_rate()
-    vector = nitro.plan.opt_spec.base_vector()
+    vector = nitro.plan.opt_spec.base
     slots = nitro.plan.opt_spec.layout.slots
     assert vector[slots.index(("default", "learning_rate"))] == np.float32(1e-2)
 
