@@ -180,16 +180,16 @@ class Dispatcher:
     """Dispatches segments of optimizer steps through the train programs.
 
     In: the one-step program (``step_fn``), the accumulate program (``accum`` > 1), the
-    block program and its per-run inputs (``k`` > 1), the run's per-step inputs (``scheds``,
+    block program and its per-run inputs (``k`` > 1) and the run's per-step inputs (``scheds``,
     its :class:`~jaxnitro.schedules.StepValues`: the hyperparameter vector and the Device
-    values of each step) and the ``1 / accum`` scale. :meth:`run` takes the
+    values of each step, the ``1 / accum`` scale). :meth:`run` takes the
     flat state leaves and returns the new ones; it never blocks on the device.
     """
 
-    def __init__(self, *, k, accum, step_fn, accumulate, block_fn, scheds, scale, extra=None, columns=None):
+    def __init__(self, *, k, accum, step_fn, accumulate, block_fn, scheds, extra=None, columns=None):
         self.k, self.accum = k, accum
         self.step_fn, self.accumulate, self.block_fn = step_fn, accumulate, block_fn
-        self.scheds, self.scale = scheds, scale
+        self.scheds = scheds
         self.extra, self.columns = extra or {}, columns or {}
         self.wait = 0.0  # seconds spent waiting for batches
 
@@ -214,7 +214,8 @@ class Dispatcher:
         if self.annotate is not None:
             return self._run_annotated(reader, leaves, step, cut, stop, pending, read_every, read)
         p, s, o = leaves
-        k, accum, scheds, scale = self.k, self.accum, self.scheds, self.scale
+        k, accum, scheds = self.k, self.accum, self.scheds
+        scale = scheds.scale
         step_fn, accumulate, clock = self.step_fn, self.accumulate, time.perf_counter
         outcome = Outcome.COMPLETE
         try:

@@ -392,6 +392,7 @@ class StepValues:
     steps it did not take. Steps are counted from 0; a step past the horizon
     gets the last step's values.
 
+    * ``scale``: ``1 / accum``, the weight of each micro-batch's gradient;
     * ``hypers(step)``: one float32 vector (a device constant when no optimizer
       value is scheduled, on every device of a sharded ``plan.dist``); ``hypers_block(step, k)``: ``[k, n]``;
     * ``dev(step)``: ``device_values`` (the handle's dict, held: ``nitro.set_device`` writes
@@ -402,21 +403,21 @@ class StepValues:
     * ``evaluated``: the schedule step values computed so far, all schedules together.
     """
 
-    def __init__(self, plan, device_values: dict, total: int):
-        spec = plan.opt_spec
+    def __init__(self, plan, device_values: dict, total: int, accum: int = 1):
+        spec, dist = plan.opt_spec, plan.dist if plan.dist is not None and plan.dist.sharded else None
         self.total = total = max(int(total), 1)
         self.layout = spec.layout
         self.base = spec.base
         self.values = device_values
+        place = jax.device_put if dist is None else (lambda x: dist.replicate(jax.device_put(x)))  # once, not per step
+        self.scale = place(np.float32(1.0 / accum))
         bindings = plan.bindings
         self.constant = not bindings.opt
         self.logged: dict[str, ScheduleLog] = {}
         self.streams: list[ScheduleStream] = []
         self.slots: list[tuple[int, ScheduleStream, float]] = []  # (column, stream, multiplier)
         if self.constant:
-            self.vector = jax.device_put(self.base)
-            if plan.dist is not None and plan.dist.sharded:  # on every device once, not per step
-                self.vector = plan.dist.replicate(self.vector)
+            self.vector = place(self.base)
         else:
             bare = {
                 h: self._stream(f, f"opt/{h}") for (g, h), f in bindings.opt.items() if g is None

@@ -210,7 +210,7 @@ class _Run:
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
-        self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1))
+        self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1), accum)
         self.validated = "val" in nitro.data
         dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
@@ -265,9 +265,6 @@ class _Run:
         o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.step_prog = progs.train_step(plan.opt_spec, plan.tx, o_def)
         self.block_prog = self._block_program() if k > 1 else None
-        scale = jax.device_put(np.float32(1.0 / accum))
-        if dist is not None:
-            scale = dist.replicate(scale)
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
         fields, source, extra, columns = _device_fields(plan.routes, TRAIN_HOOKS), unwrap(self.train), {}, None
         if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
@@ -290,8 +287,7 @@ class _Run:
             k=k, accum=accum, step_fn=self.step_prog.jitted,
             accumulate=progs.accumulate().jitted if accum > 1 else None,
             block_fn=self.block_prog.jitted if self.block_prog else None, scheds=self.scheds,
-            scale=scale, extra=extra,
-            columns=columns.device if columns is not None else None,
+            extra=extra, columns=columns.device if columns is not None else None,
         )
         return dispatcher, transfer, columns
 
@@ -340,7 +336,7 @@ class _Run:
         """The run's first optimizer step as the dispatcher will run it (for the memory preflight)."""
         nitro = self.nitro
         return first_step(nitro.plan, nitro.settings, nitro.state, nitro.device_values, self.train,
-                          self.scheds, self.dispatcher.scale)
+                          self.scheds)
 
     def data_position(self, step: int) -> dict:
         """Where the data is after ``step`` (what a checkpoint records: :meth:`TrainPosition.at`)."""

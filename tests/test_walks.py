@@ -42,7 +42,8 @@ def test_the_learning_rate_is_kept_once_in_the_optimizer_spec(nitro):
 
 
 def test_the_step_values_are_the_runs_per_step_inputs(nitro):
-    steps = StepValues(nitro.plan, nitro.device_values, 10)
+    steps = StepValues(nitro.plan, nitro.device_values, 10, accum=4)
+    assert float(steps.scale) == 0.25  # each micro-batch's weight
     assert steps.dev(3) is nitro.device_values  # held, not copied: nothing is scheduled
     assert float(np.asarray(steps.hypers(3))[0]) == pytest.approx(1e-2)
     nitro.set_device(temperature=0.5)  # written into the dict the step values hold
