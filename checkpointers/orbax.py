@@ -18,7 +18,8 @@ Entry point ``orbax``. It
 * answers ``jaxnitro_load_weights``: finds the checkpoint(s) a ``weights=`` / ``resume=``
   spec names and describes them as a :class:`jaxnitro.weights.WeightsRecord`.
 
-A checkpoint is a plain orbax checkpoint (``docs/checkpoints.md``) with two items:
+A checkpoint serializes one :class:`jaxnitro.plugin.SavedRun` (``run.run_state.snapshot()``:
+state, rows, data position, open row) as a plain orbax checkpoint (``docs/checkpoints.md``) with two items:
 ``state`` (``StandardSave`` of ``{"params", "model_state", "opt_state", "ema"}``, each key
 present when the run has it; ``opt_state`` is the optimizer rules' state) and ``meta``
 (``JsonSave``: experiment class, GraphConst values, the parameter tree, step, epoch, data
@@ -47,8 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxnitro
+from jaxnitro.checkpointers import writer_process
 from jaxnitro.plugin import (
     NoCheckpointError,
+    SavedRun,
     WeightsRecord,
     best_positions,
     ema_of,
@@ -190,6 +193,33 @@ def _every_n_steps(instance, attribute, value):
         )
 
 
+WRITERS = ("auto", "thread", "process")
+
+
+def _writer(instance, attribute, value):
+    if value not in WRITERS:
+        raise ValueError(
+            f"jaxnitro: Checkpointer(writer={value!r}); give \"process\" (orbax saves in a child process, "
+            f"beside the training loop), \"thread\" (on a worker thread of the training process) or "
+            f"\"auto\" (the child process unless the run spans several processes)."
+        )
+
+
+def writer_kind(writer: str, dist) -> str:
+    """``"thread"`` or ``"process"``: where a run on ``dist`` (a ``Dist``, or None) makes its
+    saves. ``"auto"`` is the child process unless the run spans several processes, where orbax's
+    saves are collective. Raises ``ValueError`` for ``"process"`` there."""
+    several = dist is not None and dist.multi_process
+    if writer == "process" and several:
+        raise ValueError(
+            f"jaxnitro: Checkpointer(writer=\"process\") in a run of {dist.process_count} processes; there "
+            f"orbax's saves are collective (every process writes its shards at the same step), which "
+            f"a child per process cannot keep in step. Pass writer=\"thread\" (or \"auto\", which "
+            f"picks it for a multi-process run)."
+        )
+    return "thread" if writer == "thread" or several else "process"
+
+
 def _min_interval(instance, attribute, value):
     if value == "auto":
         return
@@ -231,6 +261,7 @@ class Checkpointer:
     asynchronous: bool = True
     min_interval: float | str = attrs.field(default="auto", validator=_min_interval)
     every_n_steps: int | None = attrs.field(default=None, validator=_every_n_steps, kw_only=True)
+    writer: str = attrs.field(default="thread", validator=_writer, kw_only=True)
 
     def policies(self, monitor, validated: bool) -> tuple:
         if self.keep is not None:
@@ -493,14 +524,13 @@ class _Saver:
         self.monitor = run.monitor
         self.dir = os.path.join(os.path.abspath(run.run_dir), CHECKPOINTS)
         self.folder_id = _identity(run.run_dir)  # a save never recreates a deleted run folder
-        ocp = _ocp()
         exists, dist = os.path.isdir(self.dir), nitro.plan.dist
         if dist is not None and dist.multi_process:  # every process takes the same orbax path
             exists = dist.from_main(exists)
         known = _recorded_metrics(self.dir, self.monitor) if exists else {}  # a continued run folder's
         self.policy = _policy(ckpt.policies(self.monitor, self.validated), self.monitor, known)
         single = not (dist is not None and dist.multi_process)
-        options = ocp.CheckpointManagerOptions(
+        options = dict(
             preservation_policy=self.policy,
             enable_async_checkpointing=False,  # the worker thread is the asynchrony (fewer threads, less CPU)
             cleanup_tmp_directories=True,  # what a killed save left behind in a continued run folder
@@ -511,7 +541,8 @@ class _Saver:
             # deletions in step with the saves.
             enable_background_delete=single,
         )
-        self.mgr = ocp.CheckpointManager(self.dir, options=options)
+        self.child_cpu = 0.0  # writer="process": the CPU its child spent on this run's saves
+        self.mgr = self._manager(ckpt.writer, options, exists)
         self.start_step = nitro.step
         self.saved = set(self.mgr.all_steps())
         self.snapshots: dict[int, object] = {}
@@ -531,6 +562,16 @@ class _Saver:
         self.max_held = max(MAX_QUEUED, QUEUE_BYTES // max(size, 1))
         self.static = self._static_meta()
 
+    def _manager(self, writer: str, options: dict, exists: bool):
+        """orbax's manager of the run's checkpoints: in this process (``writer="thread"``), or
+        in the writer child (``"process"``), which opens it while the run starts; the steps
+        already there are then listed here."""
+        if writer_kind(writer, self.run.nitro.plan.dist) == "thread":
+            return _ocp().CheckpointManager(self.dir, options=_ocp().CheckpointManagerOptions(**options))
+        mgr = writer_process.writer().manager(self.dir, options)
+        mgr.steps = _RunFolder(Path(self.run.run_dir)).steps if exists else []
+        return mgr
+
     def due(self, epoch: int) -> bool:
         """Whether epoch ``epoch``'s end is saved (never with ``every_n_steps``: steps decide)."""
         if self.ckpt.every_n_steps is not None:
@@ -545,39 +586,37 @@ class _Saver:
         n = self.ckpt.every_n_steps
         if n is None or step % n:
             return
-        nitro = self.run.nitro
-        rows = nitro.rows
-        row = rows[-1] if rows and rows[-1].get("step") == step else None
-        self.submit(_copy(nitro.state), row, end=None)
+        run_state = self.run.run_state
+        self.submit(run_state.snapshot(_copy(run_state.state)), end=None)
 
     def epoch_trained(self, epoch: int, step: int) -> None:
         self.raise_failed()  # every epoch's end, validated or not: a failed save stops the run there
         if not self.validated and self.due(epoch):
-            self.snapshots[epoch] = _copy(self.run.nitro.state)
+            self.snapshots[epoch] = _copy(self.run.run_state.state)
 
     def epoch_end(self, row: dict) -> None:
         self.raise_failed()
-        epoch = row["epoch"]
+        epoch, run_state = row["epoch"], self.run.run_state
         state = self.snapshots.pop(epoch, None)
-        if state is None and self.run.nitro.state.step == row["step"]:
-            state = _copy(self.run.nitro.state)
+        if state is None and run_state.state.step == row["step"]:
+            state = _copy(run_state.state)
         if state is not None and self.due(epoch):
-            self.submit(state, row, end=None)
+            self.submit(run_state.snapshot(state), end=None)
 
     def finish(self, status: str) -> None:
         try:
-            nitro = self.run.nitro
-            state, rows = nitro.state, nitro.rows
-            row = rows[-1] if rows and rows[-1].get("step") == state.step else None
+            # no run state: the loop never started, nothing was trained
+            saved = self.run.run_state.snapshot() if self.run.run_state is not None else None
+            row = saved.row if saved is not None else None
             # this runs before the loggers finish: what they logged up to the step goes out first
             if status == "done" and row is not None and math.isfinite(row.get("train_loss", 0.0)):
-                if int(state.step) not in self.saved:
+                if saved.step not in self.saved:
                     _flush_loggers(self.run)
-                self.submit(state, row, end=None)  # the last epoch, when `every` skipped it
-            elif status in ("interrupted", "preempted", "diverged") and state.step > self.start_step:
-                if int(state.step) not in self.saved:
+                self.submit(saved, end=None)  # the last epoch, when `every` skipped it
+            elif status in ("interrupted", "preempted", "diverged") and saved is not None and saved.step > self.start_step:
+                if saved.step not in self.saved:
                     _flush_loggers(self.run)
-                self.submit(state, row if status != "diverged" else None, end=status)
+                self.submit(saved, end=status)
         finally:
             self.snapshots.clear()
             with self.lock:  # the run's end waits for every save
@@ -627,18 +666,20 @@ class _Saver:
             f"The run stops as 'failed'; {kept}. {fix}"
         ) from err
 
-    def submit(self, state, row, end) -> None:
-        """Queue one checkpoint of ``state`` (a snapshot nobody donates) for the worker thread.
+    def submit(self, saved, end) -> None:
+        """Queue one checkpoint of ``saved`` (a :class:`SavedRun` whose state nobody donates) for
+        the worker thread; a diverged ``end`` keeps no row and no open row (no resume point).
 
         The checkpoints the keep policies would delete as soon as the newer ones are written
         are dropped before they are written (see ``_prune``). The loop waits only when
         ``max_held`` snapshots are still held after that.
         """
-        step = int(state.step)
+        step = saved.step
         if step in self.saved:
             return
         self.saved.add(step)
-        item = _Pending(step, state, row, dict(self.static, **self._position(state, row, end)), end,
+        row = saved.row if end != "diverged" else None
+        item = _Pending(step, saved.state, row, dict(self.static, **self._position(saved, row, end)), end,
                         self._metrics(row, end))
         with self.lock:
             self.queue.append(item)
@@ -697,13 +738,15 @@ class _Saver:
                         self.lock.notify_all()
                         return
                 started = time.thread_time()  # this thread's CPU: not the waits for a core or the disk
+                child_before = self.child_cpu
                 for _ in range(burst):
                     with self.lock:
                         if not self.queue:  # pruned meanwhile
                             break
                         self.writing = self.queue.pop(0)
                     self._write_one()
-                took = (time.thread_time() - started) * HELPER_CPU  # the burst's CPU, helper threads included
+                # the burst's CPU: this thread's and orbax's helper threads', or the writer child's
+                took = (time.thread_time() - started) * HELPER_CPU + self.child_cpu - child_before
                 gap = took * (1 / WRITE_SHARE - 1) if self.ckpt.min_interval == "auto" else self.ckpt.min_interval
                 with self.lock:
                     self.next_burst = time.monotonic() + gap
@@ -746,8 +789,8 @@ class _Saver:
 
     def write(self, item: _Pending) -> None:
         """One orbax save: host copy, write into ``<step>.orbax-checkpoint-tmp``, rename, then
-        orbax deletes what the policies no longer keep (all on the worker thread)."""
-        ocp = _ocp()
+        orbax deletes what the policies no longer keep (on the worker thread, or in the writer
+        child)."""
         state, meta = item.state, item.meta
         tree = {"params": state.params}
         if state.model_state is not None:
@@ -765,9 +808,13 @@ class _Saver:
                 f"written, so that a checkpoint never reappears without the rest of its run folder",
                 self.run.run_dir,
             )
-        # one pytree item (each orbax item has a fixed cost of ~20 ms CPU) and the JSON record
-        args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
-        self.mgr.save(item.step, args=args, metrics=item.metrics, force=True)
+        if self.coalesce:  # one process holds every shard: orbax saves host arrays for ~35% less CPU
+            tree = jax.device_get(tree)
+        if isinstance(self.mgr, writer_process.ChildManager):
+            self.mgr.save(item.step, tree, meta, item.metrics)
+            self.child_cpu += self.mgr.cpu
+        else:
+            writer_process.save(self.mgr, item.step, tree, meta, item.metrics)
         self.written += 1
 
     def _static_meta(self) -> dict:
@@ -793,11 +840,11 @@ class _Saver:
             "monitor": list(self.monitor) if self.monitor else None,
         }
 
-    def _position(self, state, row, end) -> dict:
-        step = int(state.step)
-        position = self.run.data_position(step) if callable(self.run.data_position) else _epoch_position(self.run, step)
+    def _position(self, saved: SavedRun, row, end) -> dict:
+        """The parts of the record that come from ``saved`` (the run after its step)."""
+        step, position = saved.step, dict(saved.data_position)
         complete = position.pop("epoch_complete")
-        epoch = position["epoch"] if complete else int(state.epoch)
+        epoch = position["epoch"] if complete else int(saved.state.epoch)
         return {
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "step": step,
@@ -806,17 +853,9 @@ class _Saver:
             "data_position": position,
             "metrics": jsonable(dict(row), strict=False) if row is not None else None,
             "end": end,
-            "progress": {"open_row": self._open_row(step, row, end)},
+            "progress": {"open_row": saved.open_row if end != "diverged" else None},
             "horizon": self.run.horizon,  # the steps the schedules were planned over
         }
-
-    def _open_row(self, step: int, row, end) -> list | None:
-        """The read scalars of the history row open at ``step`` (empty at a row's end; None
-        for a diverged end, which is no resume point)."""
-        if end == "diverged" or (row is not None and row.get("step") == step):
-            return [] if end != "diverged" else None
-        open_row = self.run.open_row
-        return open_row(step) if callable(open_row) else None
 
 
 class _FolderGone(FileNotFoundError):
@@ -842,15 +881,6 @@ def _flush_loggers(run) -> None:
                 flush()
             except Exception:  # noqa: BLE001 - never in the way of the run's last checkpoint
                 pass
-
-
-def _epoch_position(run, step: int) -> dict:
-    """The data position after ``step`` of a run with ``steps_per_epoch`` (no loop to ask)."""
-    spe = run.steps_per_epoch
-    complete = step % spe == 0
-    into = 0 if complete else step % spe
-    return {"epoch": step // spe + (0 if complete else 1), "steps_into_epoch": into,
-            "batches_into_epoch": into * run.nitro.settings.accum, "epoch_complete": complete}
 
 
 # -- reading --------------------------------------------------------------------------------------

@@ -221,11 +221,11 @@ class Checkpointer(Protocol):
 
     It accepts the ``checkpointer`` knob (``jaxnitro_accept_knob``: return True for a
     value it acts on), asks for the steps it saves at (``jaxnitro_step_period``), saves
-    at history rows' ends and step boundaries, writes what it holds as the run ends
-    (``jaxnitro_run_ending``: a failure there fails the run),
-    and finds saved checkpoints for ``weights=`` / ``resume=`` (``jaxnitro_load_weights``,
-    returning a :class:`jaxnitro.plugin.WeightsRecord`). The built-in one is
-    ``jaxnitro.checkpointers.orbax``. It acts only on a knob it accepted
+    ``run.run_state.snapshot()`` (a :class:`jaxnitro.plugin.SavedRun`) at history rows' ends
+    and step boundaries, writes what it holds as the run ends (``jaxnitro_run_ending``: a
+    failure there fails the run), and finds saved checkpoints for ``weights=`` / ``resume=``
+    (``jaxnitro_load_weights``, returning a :class:`jaxnitro.plugin.WeightsRecord`). The
+    built-in one is ``jaxnitro.checkpointers.orbax``. It acts only on a knob it accepted
     (:func:`jaxnitro.plugin.owns_knob`).
     """
 

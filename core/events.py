@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from .batches import is_sized
 from .hookcalls import call
 from .plugin_manager import plugin_manager
 
@@ -33,17 +34,13 @@ class RunContext:
     - ``settings``: the resolved run knobs (:class:`jaxnitro.Settings`);
     - ``loggers``: the run's logger objects, in the order they were made;
     - ``stop_reason``: set by :meth:`request_stop`;
-    - ``open_row``: set by the loop: ``open_row(step)`` is the read per-step scalars of the
-      history row still open at ``step`` (its steps after the last closed row, up to
-      ``step``), or None when not all are read; a checkpoint keeps it, so that a run
-      resumed from that step averages the row over all of its steps;
+    - ``run_state``: set by the loop (None before): the run's changing state, a :class:`jaxnitro.plugin.RunState`;
+      ``run_state.snapshot()`` (a :class:`jaxnitro.plugin.SavedRun`) is what a checkpoint serializes;
     - ``time_limit_reached``: set when ``max_time`` ended the run;
     - ``horizon``: set by the loop: the optimizer steps the schedules are planned over (a
       checkpoint records it, for the horizon rule of a resumed run);
     - ``chosen_k``, ``step_seconds``: set by the loop when ``steps_per_dispatch="auto"``
       chose ``k`` from the step time it measured (seconds a step at ``k = 1``);
-    - ``data_position``: set by the loop: ``data_position(step)`` is where the data is after
-      ``step`` (``epoch``, ``steps_into_epoch``, ``batches_into_epoch``, ``epoch_complete``).
     - ``start_step``: the optimizer step the run starts from (0 for a fresh handle);
     - ``resumed_step``: that step when the run continues an existing run folder, else None.
     - ``error``: the exception that failed the run (set by the loop, or by
@@ -58,13 +55,12 @@ class RunContext:
     run_dir: str
     loggers: list = field(default_factory=list)
     stop_reason: str | None = None
-    open_row: object = None
+    run_state: object = None
     time_limit_reached: bool = False
     horizon: int | None = None
     chosen_k: int | None = None
     step_seconds: float | None = None
     error: BaseException | None = None
-    data_position: object = None
     start_step: int = field(init=False, default=0)
     _stores: dict = field(init=False, default_factory=dict, repr=False)
     step_annotation: object = None
@@ -119,10 +115,7 @@ class RunContext:
         """Optimizer steps in one epoch (the train split's batches // ``accum``); None for a
         stream without ``len()``."""
         train = self.nitro.data["train"]
-        try:
-            return len(train) // self.nitro.settings.accum
-        except TypeError:
-            return None
+        return len(train) // self.nitro.settings.accum if is_sized(train) else None
 
     def request_stop(self, reason: str) -> None:
         """Ask the loop to end the run after this epoch, with status ``"done"``; the first

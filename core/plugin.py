@@ -25,8 +25,9 @@ parameter's spec, laid out as a :class:`Layout` by :func:`param_layout`).
 
 **Events.** :class:`RunContext` (the ``run`` lifecycle hooks get: ``run.nitro``,
 ``run.settings``, ``run.monitor``, ``run.request_stop(reason)``, and
-``run.store(key)``, the per-run dict for a plugin's state) and :class:`StepStretch`
-(``jaxnitro_steps_read``). A history row (``jaxnitro_epoch_end``) is a ``dict``.
+``run.store(key)``, the per-run dict for a plugin's state, ``run.run_state``: a :class:`RunState`)
+and :class:`StepStretch` (``jaxnitro_steps_read``). A history row (``jaxnitro_epoch_end``) is a
+``dict``; :class:`SavedRun` (``run.run_state.snapshot()``) is what a checkpointer serializes.
 
 **Knobs and answers.** :func:`owns_knob` says whether a plugin is the one that accepted a
 run knob (``jaxnitro_accept_knob``) for this handle: only that plugin acts on it.
@@ -92,6 +93,7 @@ from .contracts import (
 from .describe import describe, summarize_value
 from .distributed import ProcessPart, check_count, split_by_process
 from .events import RunContext, StepStretch
+from .run_state import RunState, SavedRun
 from .first_step import FirstStep, StepProgram
 from .experiment import call_method, fields_of, is_experiment, method_of, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
@@ -122,6 +124,7 @@ __all__ = [
     "PREFETCHER_MEMBERS", "RunFolderHold", "PrecisionPolicy", "ShardingPolicy",
     # events and who answered
     "RunContext", "StepStretch", "Answer", "answers_for", "answer_source", "knob_owner", "owns_knob",
+    "RunState", "SavedRun",
     # experiments and knobs
     "fields_of", "is_experiment", "call_method", "method_of", "summarize_value", "to_device_value",
     "RUN_KNOBS", "KNOB_DEFAULTS", "HANDLE_KEYWORDS", "SCALAR_KNOBS", "resolve_knobs",

@@ -17,7 +17,7 @@ from typing import Any
 
 from .batches import is_sized, unwrap
 from .source_contract import is_addressable
-from .stream_state import capture, is_stateful, restore, saved_state
+from .stream_state import capture, is_stateful, restore
 
 __all__ = ["TrainPosition"]
 
@@ -46,31 +46,29 @@ class TrainPosition:
         self.epoch_start: dict[int, int] = {}
         self.stream_ends: dict[int, int] = {}
 
-    def start(self, book, step: int, epoch: int, meta: dict | None) -> tuple[int, int]:
+    def start(self, book, step: int, epoch: int, position: dict | None) -> tuple[int, int]:
         """``(epoch, steps into it)`` where a ``train()`` at ``step`` (the handle's ``epoch``)
-        starts: from the step for a source with ``len()`` (``book.position``); for a stream,
-        from the resumed checkpoint's data position (``meta``: its metadata, or None), else the
-        next epoch. Mid-epoch, a stream that saved its iterator state is restored to it
+        starts: from the step for a source with ``len()`` (``book.position``); for a stream, from
+        ``position`` (a resumed checkpoint's ``SavedRun.data_position``, or None), else the next
+        epoch. Mid-epoch, a stream that saved its iterator state is restored to it
         (:meth:`_continue_stream`); any other stream's first batches are read again and
         dropped, with a warning."""
         if self.sized:
             epoch, into = book.position(step)
         else:
-            position = (meta or {}).get("data_position")
-            if not position:
+            if not position or "epoch" not in position:
                 return epoch + 1, 0
             epoch, into = int(position["epoch"]), int(position.get("batches_into_epoch", 0)) // self.accum
-            if meta.get("epoch_complete"):
+            if position.get("epoch_complete"):
                 return epoch + 1, 0
-        if into and meta is not None and not self.addressable:
-            self._continue_stream(epoch, into, meta, step)
+        if into and position is not None and not self.addressable:
+            self._continue_stream(epoch, into, position.get("stream_state"), step)
         return epoch, into
 
-    def _continue_stream(self, epoch: int, into: int, meta: dict, step: int) -> None:
-        """Resuming ``into`` steps into ``epoch`` of a stream: keep its saved iterator state for
-        the pass, or (none saved, or the source cannot restore one) warn that the epoch is
+    def _continue_stream(self, epoch: int, into: int, saved, step: int) -> None:
+        """Resuming ``into`` steps into ``epoch`` of a stream: keep its ``saved`` iterator state
+        for the pass, or (none saved, or the source cannot restore one) warn that the epoch is
         read again from its start and its first batches dropped."""
-        saved = saved_state(meta)
         if saved is not None and self.stateful:  # setup refused a state of another source type
             self.restored = (epoch, saved)  # handed to the source as the epoch's pass opens
             return
@@ -85,7 +83,7 @@ class TrainPosition:
             f"An index-addressable source (batch_at/begin_epoch) starts there at once, and a stream "
             f"with iterator_state/restore_iterator (jn.GrainStream, jn.TorchStream over a stateful "
             f"loader) continues from its saved state.",
-            UserWarning, stacklevel=5,
+            UserWarning, stacklevel=6,
         )
 
     def open_pass(self, epoch: int, into: int, step: int, reader_at: Callable[[int], Any]):

@@ -58,20 +58,6 @@ class StepReads:
         if not self.pending:
             self.t = time.perf_counter()
 
-    def resume_open_row(self, values: list) -> None:
-        """Continue an open row from a checkpoint: the read scalars of its steps before
-        the resumed one (so the row's ``train_loss`` averages all of its steps)."""
-        self.values = [list(map(float, v)) for v in values]
-        self.row_base = self.nitro.step - len(self.values)
-
-    def open_row(self, step: int) -> list | None:
-        """The open row's read scalars up to ``step`` (for a checkpoint at ``step``), or
-        None when not every step up to it has been read."""
-        n = step - self.row_base
-        if n < 0 or n > len(self.values):
-            return None
-        return self.values[:n]
-
     def read(self, wait: bool) -> bool:
         """Read finished steps; True on a non-finite loss.
 

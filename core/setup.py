@@ -117,9 +117,9 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
         dist=dist, layout=opt.layout,
     )
     check_eval_splits(e, plan, state, device_values, data, settings.monitor)
-    if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: a stream's
-        train = unwrap(data["train"])  # saved iterator state fits only the source type that saved it
-        check_stream_resume(train, is_addressable(train), record.metadata, record.path)
+    if "train" in data and resumed is not None:  # a stream's saved iterator state fits only its source type
+        train = unwrap(data["train"])
+        check_stream_resume(train, is_addressable(train), resumed.data_position.get("stream_state"), record.path)
     state, device_values = _place_state(plan, state), dist.replicate(device_values)  # n_devs > 1: on the mesh
     return Built(e, settings, data, plan, state, device_values)
 

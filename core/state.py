@@ -36,7 +36,7 @@ class TrainState:
     compiled train programs take and return its array leaves as flat lists
     (:meth:`leaves`, :meth:`with_leaves`): a list of arrays goes through jit's C++
     argument path, while flattening an Equinox module costs Python time on every
-    call. The loop publishes a new state once per epoch (and when a run ends).
+    call. The loop publishes a new state at each cut (``RunState.publish``, ``run_state.py``).
     """
 
     params: Any
@@ -161,9 +161,9 @@ class ResumePoint:
     ``continue_folder`` is True when no later checkpoint of its run could be continued
     from (later ones, if any, diverged): the run then continues that folder (its
     ``metrics.jsonl``, its checkpoints); otherwise (an earlier checkpoint, e.g.
-    ``restore_best``) it branches into a new folder. ``open_row`` is the read per-step
-    scalars of the history row open at ``step`` (the checkpoint was saved between rows),
-    so the resumed run closes that row over all of its steps; None or empty at a row's end.
+    ``restore_best``) it branches into a new folder. ``data_position`` and ``open_row`` are
+    the checkpoint's (as :class:`~jaxnitro.run_state.SavedRun` has them; ``open_row`` None or
+    empty at a row's end): :meth:`~jaxnitro.run_state.RunState.start` puts them back.
     """
 
     path: str
@@ -172,6 +172,7 @@ class ResumePoint:
     epoch: int
     continue_folder: bool
     open_row: list | None = None
+    data_position: dict | None = None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 
 from .contracts import StatefulStream
 
-__all__ = ["PassStates", "capture", "check_resume", "is_stateful", "kind_of", "restore", "saved_state"]
+__all__ = ["PassStates", "capture", "check_resume", "is_stateful", "kind_of", "restore"]
 
 KEEP = 4096
 """How many of the latest per-batch states :class:`PassStates` keeps (far more batches
@@ -117,15 +117,9 @@ def capture(source, batches: int, split: str = "train") -> dict | None:
     return {"source": kind_of(source), "state": state}
 
 
-def saved_state(meta: dict | None) -> dict | None:
-    """The ``stream_state`` a checkpoint's record holds, or None."""
-    return ((meta or {}).get("data_position") or {}).get("stream_state")
-
-
-def check_resume(source, addressable: bool, meta: dict | None, path: str, split: str = "train") -> None:
-    """Refuse to resume from a checkpoint whose stream state another source type saved
-    (``ValueError`` naming both types and the fix)."""
-    saved = saved_state(meta)
+def check_resume(source, addressable: bool, saved: dict | None, path: str, split: str = "train") -> None:
+    """Refuse to resume from a checkpoint whose stream state (``saved``: its data position's
+    ``stream_state``, or None) another source type saved (``ValueError`` naming both types and the fix)."""
     if saved is None:
         return
     here = kind_of(source)

@@ -39,6 +39,7 @@ from .progress import phase_start
 from .reads import StepReads, step_scalars
 from .routing import KEY_DATA
 from .position import TrainPosition
+from .run_state import RunState
 from .schedules import StepValues
 from .sources import release_sources
 
@@ -196,7 +197,7 @@ class _Run:
     (:meth:`at_cut`). Per-step scalars are read in :class:`~jaxnitro.reads.StepReads`; a
     row is appended when its last step has been read: at once when it is validated
     (validation needs that step's parameters anyway) or is the run's last, otherwise
-    later, so a train-only run never makes the device wait at an epoch boundary.
+    later, so a train-only run never makes the device wait at an epoch boundary. ``run_state``: what it changes.
     """
 
     def __init__(self, nitro, run: RunContext):
@@ -233,11 +234,7 @@ class _Run:
             max_pending = min(max_pending, max(2, CPU_SHARDED_IN_FLIGHT // self.k))
         logged = self.scheds.logged if nitro.settings.autolog_schedules else {}
         self.reads = StepReads(run, nitro, accum, self._aux_names, logged, read_every=read_every, max_pending=max_pending)
-        resumed = nitro.plan.resumed
-        if resumed is not None and resumed.step == nitro.step and not nitro.record.rows and resumed.open_row:
-            self.reads.resume_open_row(resumed.open_row)
-        run.open_row = self.reads.open_row
-        run.data_position = self.data_position
+        run.run_state = self.run_state = RunState(nitro, self.position, self.reads)  # the run's changing state
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 
     def _block_program(self):
@@ -312,9 +309,7 @@ class _Run:
         cuts, by :meth:`stop`."""
         with deferring() as stop:
             nitro, book = self.nitro, self.book
-            resumed = nitro.plan.resumed
-            meta = nitro.plan.weights_meta if resumed is not None and resumed.step == nitro.step else None
-            epoch, into = self.position.start(book, nitro.step, nitro.epoch, meta)
+            epoch, into = self.run_state.start(book)
             while nitro.step < book.total:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
@@ -338,10 +333,6 @@ class _Run:
         return first_step(nitro.plan, nitro.settings, nitro.state, nitro.device_values, self.train,
                           self.scheds)
 
-    def data_position(self, step: int) -> dict:
-        """Where the data is after ``step`` (what a checkpoint records: :meth:`TrainPosition.at`)."""
-        return self.position.at(step, self.nitro.epoch)
-
     def train_epoch(self, epoch: int, into: int, stop) -> Outcome:
         """Dispatch ``epoch`` from its step ``into`` (0, or a resumed run's position) to its
         end or the run's, segment by segment, handling each cut; the state of the last
@@ -364,7 +355,7 @@ class _Run:
                 leaves, step, outcome = dispatcher.run(
                     reader, leaves, step, cut, stop, reads.pending, reads.read_every, self._read_or_stop,
                 )
-                self.publish(leaves, step)
+                self.run_state.publish(leaves, step)
                 if outcome is Outcome.COMPLETE and self.probe is not None and self.probe.due(step):
                     outcome = self._probe_at(step, reader)
                 if outcome is Outcome.COMPLETE and step == due < last:  # a cut inside the epoch
@@ -374,7 +365,7 @@ class _Run:
                 reader.drain()  # (a restored pass is shorter than len(): the check does not apply)
         finally:
             reader.close()
-            self.publish(leaves, step)
+            self.run_state.publish(leaves, step)
         if outcome is Outcome.EXHAUSTED:  # a stream ended: its epoch is over
             self.position.stream_ended(epoch, into, step)
             outcome = Outcome.COMPLETE
@@ -461,11 +452,6 @@ class _Run:
         why = "max_time reached" if self.run_ctx.time_limit_reached else stop_request.status
         self.nitro.record.stop_reason = f"{why} at step {self.nitro.step}"
         raise stop_request.exception()
-
-    def publish(self, leaves, step: int) -> None:
-        """Make the leaves of the last completed optimizer step the handle's state."""
-        nitro = self.nitro
-        nitro.state = nitro.state.with_leaves(*leaves, step=step, epoch=nitro.epoch)
 
     def _aux_names(self) -> tuple[str, ...]:
         """The names of a step's scalars (``loss`` and ``train_metrics``, or what ``train_step``

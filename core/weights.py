@@ -552,7 +552,8 @@ def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, ste
         rng = jnp.asarray(np.asarray(meta["rng"]["data"], dtype=meta["rng"]["dtype"]))
     step, epoch = int(meta["step"]), int(meta["epoch"])
     open_row = (meta.get("progress") or {}).get("open_row")
-    resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run), open_row)
+    position = dict(meta.get("data_position") or {}, epoch_complete=bool(meta.get("epoch_complete")))
+    resumed = ResumePoint(record.path, record.run_folder, step, epoch, bool(record.newest_in_run), open_row, position)
     optimizer = "" if "opt_state" in got or opt_state is None else ", fresh optimizer state"
     weights_from = f"resumed from {record.source}{optimizer}"
     return state.replace(

@@ -159,7 +159,7 @@ def test_the_train_position_of_a_stream_follows_its_passes():
 
     pos = TrainPosition(wrap_split(_Stream(), "train"), accum=1)
     assert (pos.sized, pos.addressable, pos.steps_per_epoch) == (False, False, None)
-    assert pos.start(None, step=0, epoch=0, meta=None) == (1, 0)  # no recorded position: the next epoch
+    assert pos.start(None, step=0, epoch=0, position=None) == (1, 0)  # no recorded position: the next epoch
     opened = []
     reader, restored = pos.open_pass(1, 0, 0, lambda index: opened.append(index) or "reader")
     assert (reader, restored, opened, pos.pass_open, pos.epoch_start) == ("reader", False, [0], (1, 0), {1: 0})

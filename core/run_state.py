@@ -1,0 +1,87 @@
+"""The run's changing state: one object the training loop owns (:class:`RunState`, reached by
+plugins as ``run.run_state``), and its frozen snapshot after one step (:class:`SavedRun`),
+what a checkpoint serializes. :meth:`RunState.start` is the one place a resumed run gets its
+checkpoint's data position and open row back.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from .state import TrainState
+
+__all__ = ["RunState", "SavedRun"]
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """The run after optimizer step ``state.step``: what a checkpoint serializes and a resume needs.
+
+    - ``state``: the :class:`~jaxnitro.state.TrainState` at that step. The loop's published
+      state's arrays are donated by its next step: a checkpointer that writes later copies
+      them first (``run.run_state.snapshot(its_copy)``);
+    - ``rows``: the history rows closed up to the step, oldest first (the run's own dicts);
+    - ``data_position``: where the train split is after the step: ``epoch`` (the one the
+      step belongs to), ``steps_into_epoch``, ``batches_into_epoch`` (micro-batches),
+      ``epoch_complete`` and, mid-pass of a :class:`jaxnitro.plugin.StatefulStream`, ``stream_state``;
+    - ``open_row``: the read per-step scalars (``[loss, *train_metrics]`` each) of the row
+      still open at the step, ``[]`` when a row closed there, None when not all are read yet:
+      a run resumed there averages that row over all of its steps.
+    """
+
+    state: TrainState
+    rows: tuple = ()
+    data_position: dict | None = None
+    open_row: list | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    @property
+    def row(self) -> dict | None:
+        """The history row that closed at this step, or None."""
+        return self.rows[-1] if self.rows and self.rows[-1].get("step") == self.step else None
+
+
+class RunState:
+    """One ``train()``'s changing state, owned by the loop: ``nitro`` (its ``state`` and
+    ``record.rows``), ``position`` (:class:`~jaxnitro.position.TrainPosition`) and ``reads``
+    (:class:`~jaxnitro.reads.StepReads`: the open row's read steps, ``values`` after ``row_base``).
+    Nothing here runs per step."""
+
+    def __init__(self, nitro, position, reads):
+        self.nitro, self.position, self.reads = nitro, position, reads
+
+    @property
+    def state(self):
+        """The published :class:`~jaxnitro.state.TrainState` (the last completed step's)."""
+        return self.nitro.state
+
+    def publish(self, leaves, step: int) -> None:
+        """Make the leaves of the last completed optimizer step the published state."""
+        nitro = self.nitro
+        nitro.state = nitro.state.with_leaves(*leaves, step=step, epoch=nitro.epoch)
+
+    def start(self, book) -> tuple[int, int]:
+        """``(epoch, steps into it)`` where this ``train()`` starts. A handle resumed at its
+        step (``plan.resumed``) gets its checkpoint's open row and data position back here."""
+        nitro, resumed = self.nitro, self.nitro.plan.resumed
+        position = None
+        if resumed is not None and resumed.step == nitro.step:
+            position = resumed.data_position
+            if resumed.open_row and not nitro.record.rows:  # the open row: the scalars of its steps so far
+                self.reads.values = [list(map(float, v)) for v in resumed.open_row]
+                self.reads.row_base = nitro.step - len(resumed.open_row)
+        return self.position.start(book, nitro.step, nitro.epoch, position)
+
+    def snapshot(self, state=None) -> SavedRun:
+        """The run after ``state.step`` (``state``: the published state, or a copy of it that a
+        checkpointer took at its step); made only when asked."""
+        state = self.nitro.state if state is None else state
+        step, rows = int(state.step), self.nitro.record.rows
+        closed = rows[:bisect.bisect_right(rows, step, key=lambda row: row["step"])]  # rows are in step order
+        n, values = step - self.reads.row_base, self.reads.values  # the open row's steps up to `step`, if all read
+        open_row = values[:n] if 0 <= n <= len(values) else None
+        return SavedRun(state, tuple(closed), self.position.at(step, self.nitro.epoch), open_row)
