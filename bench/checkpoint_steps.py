@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import jaxnitro as jn  # noqa: E402
 from checkpoint import HookClock, full_size_data  # noqa: E402
-from jaxnitro.checkpointers import writer_process  # noqa: E402
 from mnist_tutorial import MnistMLP  # noqa: E402
 
 
@@ -57,29 +56,13 @@ def LoopClock():
     return HookClock(("__init__", "step_boundary", "finish"))
 
 
-def cpu_seconds() -> float:
-    """This process's CPU seconds, and its checkpoint writer child's when it has one."""
-    child = writer_process._writer  # noqa: SLF001 - the bench counts the child's CPU with the run's
-    return time.process_time() + (child.call("cpu", None) if child is not None and child.alive() else 0.0)
-
-
 def timed(e, data, run_dir, steps: int, val_every: int, checkpointer) -> tuple[float, float]:
-    """``(wall s, CPU s)`` of one ``train()``: the CPU of this process and of the checkpoint
-    writer child (``writer="process"``)."""
+    """``(wall s, process CPU s)`` of one ``train()``."""
     n = jn.Nitro(e, data=data, run_dir=run_dir, logger=None, early_stop=None, max_steps=steps, max_epochs=None,
                  val_every_n_steps=val_every, checkpointer=checkpointer)
-    c0 = cpu_seconds()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n.train()
-    wall = time.perf_counter() - t0
-    return wall, cpu_seconds() - c0
-
-
-def writer_start() -> tuple[float, float]:
-    """``(wall s, child CPU s)`` a new checkpoint writer child takes to start and answer."""
-    t0 = time.perf_counter()
-    cpu = writer_process.WriterProcess().call("cpu", None)
-    return time.perf_counter() - t0, cpu
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv=None) -> None:
@@ -88,50 +71,49 @@ def main(argv=None) -> None:
     ap.add_argument("--every", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--writer", choices=("auto", "thread", "process"), default=None,
-                    help="Checkpointer(writer=...); its default when left out")
     a = ap.parse_args(argv)
-    writer = {} if a.writer is None else {"writer": a.writer}
     data = fashion_data(a.data_dir) if a.data_dir else full_size_data()
     e = MnistMLP()
     clock = LoopClock()
+    kinds = ["none", "ckpt"]
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.every:  # compile and warm every program (and orbax) once, untimed
-            timed(e, data, f"{tmp}/warm", min(a.steps, 2 * n), n, jn.Checkpointer(every_n_steps=n, **writer))
-        rows = {n: {"none": [], "ckpt": []} for n in a.every}
+            timed(e, data, f"{tmp}/warm", min(a.steps, 2 * n), n, jn.Checkpointer(every_n_steps=n))
+        rows = {n: {k: [] for k in kinds} for n in a.every}
         loop = {n: [0.0, 0.0, 0, 0] for n in a.every}  # spent, ending, written, dropped: summed over the repeats
         for r in range(a.repeats):
             for n in a.every:
-                # which contender goes first alternates from repeat to repeat: a run right
-                # after a checkpointed one inherits its writes' page cache and thread churn
-                for kind in ("none", "ckpt") if r % 2 == 0 else ("ckpt", "none"):
-                    if kind == "none":
-                        rows[n]["none"].append(timed(e, data, f"{tmp}/{r}-{n}-none", a.steps, n, None))
-                        continue
-                    ckpt = jn.Checkpointer(every_n_steps=n, keep=(jn.Best(2), jn.Last(1)), **writer)
+                # the contenders' order rotates from repeat to repeat: a run right after a
+                # checkpointed one inherits its writes' page cache and thread churn
+                for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                    ckpt = None if kind == "none" else jn.Checkpointer(every_n_steps=n, keep=(jn.Best(2), jn.Last(1)))
                     clock.reset()
-                    rows[n]["ckpt"].append(timed(e, data, f"{tmp}/{r}-{n}-ckpt", a.steps, n, ckpt))
-                    for i, got in enumerate((clock.spent, clock.ending, clock.written, clock.dropped)):
-                        loop[n][i] += got
-    used = jn.Checkpointer(**writer).writer
+                    rows[n][kind].append(timed(e, data, f"{tmp}/{r}-{n}-{kind}", a.steps, n, ckpt))
+                    if ckpt is not None:
+                        for i, got in enumerate((clock.spent, clock.ending, clock.written, clock.dropped)):
+                            loop[n][i] += got
+    report(a, rows, loop)
+
+
+def report(a, rows: dict, loop: dict) -> None:
+    """The table: per N, the medians and the shares (``share``: of the median run
+    times; ``paired``: the median over the repeats of each checkpointed run's share against
+    the run without checkpoints next to it, which a drifting machine moves less)."""
     print(f"{a.steps} optimizer steps, {'IDX files in ' + a.data_dir if a.data_dir else '55,000 synthetic images'}; "
-          f"medians of {a.repeats} interleaved runs, "
-          f"the order of the two contenders alternating; Checkpointer(writer={used!r})")
-    if used != "thread":
-        wall, cpu = writer_start()
-        print(f"a writer child starts (once per training process, before its first save) in {wall:.2f} s, "
-              f"{cpu:.2f} s of its CPU; the runs above reuse the one the warm-up started")
-    print(f"{'every N':>8} | {'no ckpt s':>9} | {'ckpt s':>7} | {'saves':>5} | {'written':>7} | {'dropped':>7} | "
-          f"{'share':>6} | {'CPU share':>9} | {'loop ms':>7} | {'end ms':>6} | loop share")
+          f"medians of {a.repeats} interleaved runs, the contenders' order rotating")
+    print(f"{'every N':>8} | {'no ckpt s':>9} | {'ckpt s':>7} | {'saves':>5} | {'written':>7} | "
+          f"{'dropped':>7} | {'share':>6} | {'paired':>6} | {'CPU share':>9} | {'loop ms':>7} | {'end ms':>6} | loop share")
     for n in a.every:
-        none = statistics.median(w for w, _ in rows[n]["none"])
-        ckpt = statistics.median(w for w, _ in rows[n]["ckpt"])
+        none = statistics.median(t for t, _ in rows[n]["none"])
+        ckpt = statistics.median(t for t, _ in rows[n]["ckpt"])
+        paired = statistics.median((c - o) / c for (c, _), (o, _) in zip(rows[n]["ckpt"], rows[n]["none"]))
         none_cpu = statistics.median(c for _, c in rows[n]["none"])
         ckpt_cpu = statistics.median(c for _, c in rows[n]["ckpt"])
         spent, ending, written, dropped = (x / a.repeats for x in loop[n])
-        print(f"{n:>8} | {none:>9.3f} | {ckpt:>7.3f} | {a.steps // n:>5} | {written:>7.1f} | {dropped:>7.1f} | "
-              f"{(ckpt - none) / ckpt:6.1%} | {(ckpt_cpu - none_cpu) / ckpt_cpu:9.1%} | {spent * 1e3:>7.0f} | "
-              f"{ending * 1e3:>6.0f} | {(spent + ending) / ckpt:6.2%}")
+        print(f"{n:>8} | {none:>9.3f} | {ckpt:>7.3f} | {a.steps // n:>5} | {written:>7.1f} | "
+              f"{dropped:>7.1f} | {(ckpt - none) / ckpt:6.1%} | {paired:6.1%} | "
+              f"{(ckpt_cpu - none_cpu) / ckpt_cpu:9.1%} | {spent * 1e3:>7.0f} | {ending * 1e3:>6.0f} | "
+              f"{(spent + ending) / ckpt:6.2%}")
 
 
 if __name__ == "__main__":
