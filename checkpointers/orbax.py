@@ -260,7 +260,8 @@ def jaxnitro_accept_knob(name, value, nitro):
             f"jn.Last(1))), or None to save no checkpoints."
         )
     if any(isinstance(k, Best) for k in value.keep or ()):
-        require_monitor_and_val(nitro, "checkpointer", "keeps the Best checkpoints", "keep only jn.Last(n)")
+        require_monitor_and_val(nitro.settings, nitro.data, type(nitro.experiment).__name__, "checkpointer",
+                                "keeps the Best checkpoints", "keep only jn.Last(n)")
     return True
 
 

@@ -17,18 +17,12 @@ from __future__ import annotations
 
 import collections
 import enum
-import functools
 import itertools
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .batches import batch_width
-from .routing import KEY_COUNT, KEY_DATA
-
-__all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader", "keyed", "counted", "width_checked"]
+__all__ = ["AutoProbe", "DISPATCH_BOUND", "Outcome", "Dispatcher", "StreamReader", "ColumnReader"]
 
 
 DISPATCH_BOUND = 0.1
@@ -186,28 +180,22 @@ class Dispatcher:
     """Dispatches segments of optimizer steps through the train programs.
 
     In: the one-step program (``step_fn``), the accumulate program (``accum`` > 1), the
-    block program and its per-run inputs (``k`` > 1), the run's :class:`StepValues`
-    (``scheds``), the Device values and the ``1 / accum`` scale. :meth:`run` takes the
+    block program and its per-run inputs (``k`` > 1) and the run's per-step inputs (``scheds``,
+    its :class:`~jaxnitro.schedules.StepValues`: the hyperparameter vector and the Device
+    values of each step, the ``1 / accum`` scale). :meth:`run` takes the
     flat state leaves and returns the new ones; it never blocks on the device.
     """
 
-    def __init__(self, *, k, accum, step_fn, accumulate, block_fn, scheds, device_values, scale,
-                 extra=None, columns=None):
+    def __init__(self, *, k, accum, step_fn, accumulate, block_fn, scheds, extra=None, columns=None):
         self.k, self.accum = k, accum
         self.step_fn, self.accumulate, self.block_fn = step_fn, accumulate, block_fn
-        self.scheds, self.dev, self.scale = scheds, device_values, scale
+        self.scheds = scheds
         self.extra, self.columns = extra or {}, columns or {}
-        # every Device value enters the block per step, as a scanned input like the scheduled
-        # ones: a value closed over by the loop is loop-invariant to XLA, which may then
-        # reassociate arithmetic with it (hoisting it out of the loop) and round differently
-        # from the one-step program; a per-step input keeps the step's arithmetic as it is
-        self.tiled = _tiled({n: v for n, v in device_values.items() if n not in scheds.device}, k) if k > 1 else {}
         self.wait = 0.0  # seconds spent waiting for batches
 
     def use_blocks(self, k: int, block_fn) -> None:
         """From now on dispatch ``k`` steps at a time through ``block_fn`` (``"auto"`` chose ``k``)."""
         self.k, self.block_fn = k, block_fn
-        self.tiled = _tiled({n: v for n, v in self.dev.items() if n not in self.scheds.device}, k)
 
     annotate = None
     """None, or ``step -> context manager`` (set by the loop per segment while a plugin
@@ -226,7 +214,8 @@ class Dispatcher:
         if self.annotate is not None:
             return self._run_annotated(reader, leaves, step, cut, stop, pending, read_every, read)
         p, s, o = leaves
-        k, accum, scheds, dev, scale = self.k, self.accum, self.scheds, self.dev, self.scale
+        k, accum, scheds = self.k, self.accum, self.scheds
+        scale = scheds.scale
         step_fn, accumulate, clock = self.step_fn, self.accumulate, time.perf_counter
         outcome = Outcome.COMPLETE
         try:
@@ -240,7 +229,7 @@ class Dispatcher:
                     finally:
                         self.wait += clock() - t0
                     p, s, o, aux = self.block_fn(
-                        p, s, o, {}, {**self.tiled, **scheds.dev_block(step, k)}, self.extra, self.columns,
+                        p, s, o, {}, scheds.dev_block(step, k), self.extra, self.columns,
                         block, scale, scheds.hypers_block(step, k),
                     )
                     step += k
@@ -250,12 +239,12 @@ class Dispatcher:
                         t0 = clock()
                         batch = reader.one()
                         self.wait += clock() - t0
-                        (acc, aux), s = accumulate(p, s, scheds.dev(dev, step), batch, acc)
+                        (acc, aux), s = accumulate(p, s, scheds.dev(step), batch, acc)
                         micros.append(aux)
                     t0 = clock()
                     batch = reader.one()
                     self.wait += clock() - t0
-                    p, s, o, aux = step_fn(p, s, o, scheds.dev(dev, step), batch, acc, scale, scheds.hypers(step))
+                    p, s, o, aux = step_fn(p, s, o, scheds.dev(step), batch, acc, scale, scheds.hypers(step))
                     if micros:
                         aux = (*micros, aux)
                     step += 1
@@ -281,57 +270,3 @@ class Dispatcher:
         finally:
             self.annotate = annotate
         return leaves, step, outcome
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _tiled(values: dict, k: int) -> dict:
-    """Each value with a leading axis of ``k`` copies (compiled: also for arrays spanning the
-    processes of a multi-process job, which eager operations refuse)."""
-    return {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in values.items()}
-
-
-def keyed(transfer, key_data, counter, *, with_key: bool = True):
-    """Wrap ``transfer`` to add the micro-batch number (``KEY_COUNT``, from ``counter``) and,
-    with ``with_key``, the run's base key (``KEY_DATA``; a ``k > 1`` block carries it once)."""
-    def keyed_transfer(batch):
-        batch = transfer(batch)
-        if with_key:
-            batch[KEY_DATA] = key_data
-        batch[KEY_COUNT] = np.uint32(next(counter))
-        return batch
-
-    return keyed_transfer
-
-
-def counted(transfer, counter):
-    """:func:`keyed` without the base key (``steps_per_dispatch`` > 1)."""
-    return keyed(transfer, None, counter, with_key=False)
-
-
-def width_checked(transfer, width: int):
-    """Wrap ``transfer`` to refuse a train batch of another width (a short batch anywhere, a
-    partial final one, an empty one) or one that is not a dict of arrays.
-
-    Setup reads every batch of a list; other sources are checked here, as each batch is
-    staged: a length per field in the common case (well under a microsecond), the full
-    check (:func:`jaxnitro.batches.batch_width`, naming the problem) only when one differs.
-    """
-
-    def checked(batch):
-        try:
-            same = all(len(v) == width for v in batch.values())
-        except TypeError:  # a field without len(), or not a dict at all
-            same = False
-        if not same:
-            n = batch_width(batch, "train batch")
-            if n != width:
-                raise ValueError(
-                    f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have "
-                    f"{width}. Every train batch must have that width: the train split must drop its "
-                    f"partial final batch, and have no short batch anywhere (it would compile a "
-                    f"second train step and weight its rows differently). Fix: build the loader "
-                    f"with drop_last=True and equal batch sizes."
-                )
-        return transfer(batch)
-
-    return checked

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .batches import batch_width, field_specs, last_batch, pad_batch, peek, slice_outputs, unwrap
-from .history import FIXED_COLUMNS
+from .history import FIXED_COLUMNS, check_monitored_in
 from .metrics import MetricAccumulator, check_metric_entry
 from .source_contract import is_addressable
 from .routing import KEY, KEY_COUNT, KEY_DATA, check_reserved_fields
@@ -53,21 +53,54 @@ def _dist(plan):
     return dist if dist is not None and dist.sharded else None
 
 
-def make_transfer(plan, hooks):
-    """The host->device transfer of exactly the fields ``hooks`` declare in ``plan``'s routes
-    (others never leave the host).
-
-    On several devices (``n_devs`` > 1, or several processes) every field is placed sharded
-    on its first dimension over the data mesh (in a multi-process job: this process's rows
-    of the global batch, ``jax.make_array_from_process_local_data``)."""
+def make_transfer(plan, hooks, *, on_host: bool = False, width: int | None = None, counter=None, key=None):
+    """The staging of one batch, one call per batch: the fields ``hooks`` declare in ``plan``'s
+    routes (others never leave the host), sharded over the data mesh on several devices (in a
+    multi-process job, this process's rows), ``device_put`` on one accelerator, NumPy on the
+    CPU (:func:`stages_on_device`) or ``on_host`` (a block of ``k`` steps is sent at once).
+    The loop's train split also passes ``width`` (refuse a batch of another width; None: setup
+    read every batch), ``counter`` (each micro-batch's ``KEY_COUNT``) and ``key`` (the run's
+    ``KEY_DATA``; None when a block carries it once)."""
     fields = _device_fields(plan.routes, hooks)
     dist = _dist(plan)
-    if dist is not None:
-        return lambda batch: dist.put_batch({f: batch[f] for f in fields if f in batch})
-    if not stages_on_device():
-        return lambda batch: {f: batch[f] for f in fields if f in batch}
-    put = jax.device_put
-    return lambda batch: put({f: batch[f] for f in fields if f in batch})
+    if on_host or (dist is None and not stages_on_device()):
+        put = None
+    else:
+        put = jax.device_put if dist is None else dist.put_batch
+
+    def transfer(batch):
+        if width is not None:
+            try:
+                same = all(len(v) == width for v in batch.values())
+            except TypeError:  # a field without len(), or not a dict at all
+                same = False
+            if not same:
+                _check_train_width(batch, width)
+        out = {f: batch[f] for f in fields if f in batch}
+        if put is not None:
+            out = put(out)
+        if counter is not None:
+            if key is not None:
+                out[KEY_DATA] = key
+            out[KEY_COUNT] = np.uint32(next(counter))
+        return out
+
+    return transfer
+
+
+def _check_train_width(batch, width: int) -> None:
+    """Refuse a train batch of another width than ``width`` (a short, partial or empty one) or
+    one that is not a dict of arrays (:func:`jaxnitro.batches.batch_width` names the problem):
+    :func:`make_transfer` compares a length per field, and calls this only when one differs."""
+    n = batch_width(batch, "train batch")
+    if n != width:
+        raise ValueError(
+            f"jaxnitro: the `train` split yielded a batch of {n} rows; its batches have "
+            f"{width}. Every train batch must have that width: the train split must drop its "
+            f"partial final batch, and have no short batch anywhere (it would compile a "
+            f"second train step and weight its rows differently). Fix: build the loader "
+            f"with drop_last=True and equal batch sizes."
+        )
 
 
 def key_entries(rng) -> dict:
@@ -450,7 +483,7 @@ def _run_first_val_batch(e, plan, state, device_values: dict, first: dict, monit
                 acc.add({"loss": (_traced_loss(plan, device_values, host_out, first, state.rng), 1)})
         final = _finalized(plan, e, acc.result(check_counts=False), "val")
     if monitor is not None:
-        _check_monitored_in(final, monitor[0])
+        check_monitored_in(final, monitor[0], " for its first batch")
 
 
 def _traced_forward(plan, state, device_values: dict, inputs: dict):
@@ -505,36 +538,3 @@ def _traced_loss(plan, device_values: dict, host_out, first: dict, rng):
     return _zeros_like(jax.eval_shape(loss, device_values, host_out, rng))
 
 
-def _check_monitored_in(final: dict, name: str) -> None:
-    """The monitored metric ``name`` is among the `val` split's first metrics, and one number."""
-    if name not in final:
-        raise KeyError(
-            f"jaxnitro: `monitor` names {name!r}, but the `val` split's metrics are {sorted(final)} "
-            f"(what finalize_metrics returned for its first batch). Return {name!r} from "
-            f"`metrics`/`finalize_metrics`, or monitor one of those."
-        )
-    check_monitored_value(name, final[name])
-
-
-def monitored_value(run, row: dict):
-    """``(name, mode, value)`` of the monitored metric in history row ``row`` (checked to be one
-    number: :func:`check_monitored_value`), or None when the run has no ``monitor`` or the row
-    lacks the metric (a row that was not validated). What stop policies read at each row."""
-    monitor = run.monitor
-    if monitor is None or monitor[0] not in row:
-        return None
-    name, mode = monitor
-    check_monitored_value(name, row[name])
-    return name, mode, row[name]
-
-
-def check_monitored_value(name: str, value) -> None:
-    """Refuse a monitored metric that is not one number (an array, a string)."""
-    shape = np.shape(value)
-    if shape != () or not np.issubdtype(np.asarray(value).dtype, np.number):
-        raise TypeError(
-            f"jaxnitro: the monitored metric {name!r} is "
-            f"{f'an array of shape {shape}' if shape else repr(value)}; `monitor` compares one "
-            f"number per epoch. Monitor a scalar metric, or reduce this one in `finalize_metrics` "
-            f"(e.g. its mean) and monitor that."
-        )

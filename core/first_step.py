@@ -86,7 +86,7 @@ def _first_batch(plan, train, rng) -> dict:
 def _dev_values(plan, device_values: dict, step: int, scheds) -> dict:
     """The Device values the first dispatch passes at ``step`` (a scheduled field: its host scalar)."""
     if scheds is not None:
-        return scheds.dev(device_values, step)
+        return scheds.dev(step)
     dev = dict(device_values)
     for name in plan.bindings.device:  # a scheduled field arrives as a host scalar per step
         dev[name] = np.zeros((), np.dtype(dev[name].dtype))[()]
@@ -96,13 +96,13 @@ def _dev_values(plan, device_values: dict, step: int, scheds) -> dict:
 def _hypers_and_scale(plan, accum: int, step: int, scheds):
     """``(hypers, scale)`` of the first dispatch at ``step``: the hyperparameter vector (the
     schedules' row, else ``plan``'s base vector) and ``1/accum``, placed as the loop places them."""
+    if scheds is not None:
+        return scheds.hypers(step), scheds.scale
     dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
     scale = jax.device_put(np.float32(1.0 / accum))
     if dist is not None:
         scale = dist.replicate(scale)
-    if scheds is not None:
-        return scheds.hypers(step), scale
-    base = plan.opt_spec.base_vector(plan.base_lr)
+    base = plan.opt_spec.base
     if plan.bindings.opt:  # scheduled: a host row per step
         return base, scale
     vector = jax.device_put(base)
@@ -116,12 +116,13 @@ def _zeros_like(leaves):
     return [jax.numpy.zeros_like(x) for x in leaves]
 
 
-def first_step(plan, settings, state, device_values: dict, train, scheds=None, scale=None) -> FirstStep:
+def first_step(plan, settings, state, device_values: dict, train, scheds=None) -> FirstStep:
     """The first optimizer step of a handle (its ``plan``, ``settings``, ``state``,
     ``device_values`` and ``train`` split) as the loop will dispatch it.
 
-    ``scheds`` (the run's :class:`~jaxnitro.schedules.StepValues`) and ``scale`` are the
-    loop's, when it asks; without them the same avals are rebuilt from the handle's values.
+    ``scheds`` (the run's :class:`~jaxnitro.schedules.StepValues`: hyperparameters, Device
+    values, scale) is the loop's, when it asks; without it the same avals are rebuilt from
+    the handle's values.
     """
     dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
     device = (dist.devices[0] if dist is not None else None) or jax.devices()[0]
@@ -132,8 +133,7 @@ def first_step(plan, settings, state, device_values: dict, train, scheds=None, s
     if settings.steps_per_dispatch != "auto" and settings.steps_per_dispatch > 1:  # "auto" starts at 1
         return FirstStep(note="steps_per_dispatch > 1: the block program is compiled at its first dispatch", **common)
     step_prog = plan.programs.train_step(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(state.opt_state))
-    hypers, own_scale = _hypers_and_scale(plan, settings.accum, state.step, scheds)
-    scale = own_scale if scale is None else scale
+    hypers, scale = _hypers_and_scale(plan, settings.accum, state.step, scheds)
     dev = _dev_values(plan, device_values, state.step, scheds)
     programs, acc = [], None
     if settings.accum > 1:

@@ -133,6 +133,47 @@ def best_positions(values: Sequence[Any], mode: str, n: int = 1) -> list[int]:
 
 
 # --------------------------------------------------------------------------
+# the monitored metric: checked where it enters a row, read by the stop policies
+
+
+def check_monitored_in(final: dict, name: str, what: str = "") -> None:
+    """The monitored metric ``name`` is among the `val` split's metrics ``final``, and one
+    number (:func:`check_monitored_value`): checked at setup on the first batch (``what``:
+    ``" for its first batch"``) and on every validation, before the row carrying it reaches
+    a plugin."""
+    if name not in final:
+        raise KeyError(
+            f"jaxnitro: `monitor` names {name!r}, but the `val` split's metrics are {sorted(final)} "
+            f"(what finalize_metrics returned{what}). Return {name!r} from "
+            f"`metrics`/`finalize_metrics`, or monitor one of those."
+        )
+    check_monitored_value(name, final[name])
+
+
+def monitored_value(run, row: dict):
+    """``(name, mode, value)`` of the monitored metric in history row ``row``, or None when the
+    run has no ``monitor`` or the row lacks the metric (a row that was not validated). What
+    stop policies read at each row; the loop checked the value (:func:`check_monitored_in`)
+    when it merged the validation's metrics into the row."""
+    monitor = run.monitor
+    if monitor is None or monitor[0] not in row:
+        return None
+    return (*monitor, row[monitor[0]])
+
+
+def check_monitored_value(name: str, value) -> None:
+    """Refuse a monitored metric that is not one number (an array, a string)."""
+    shape = np.shape(value)
+    if shape != () or not np.issubdtype(np.asarray(value).dtype, np.number):
+        raise TypeError(
+            f"jaxnitro: the monitored metric {name!r} is "
+            f"{f'an array of shape {shape}' if shape else repr(value)}; `monitor` compares one "
+            f"number per epoch. Monitor a scalar metric, or reduce this one in `finalize_metrics` "
+            f"(e.g. its mean) and monitor that."
+        )
+
+
+# --------------------------------------------------------------------------
 # building a history: its arguments checked, its columns, its rows
 
 

@@ -253,40 +253,6 @@ def max_time_seconds(value, source: str = "keyword") -> float | None:
     return seconds
 
 
-def check_learning_rate(value, source: str) -> float:
-    """The base learning rate as a float; ``ValueError`` unless it is a finite number >= 0.
-
-    ``source`` says where it came from (``"the learning_rate hook of Tiny (experiment)"``).
-    """
-    arr = None if isinstance(value, (str, bytes, bool, np.bool_)) else np.asarray(value)
-    if arr is None or arr.shape != () or arr.dtype.kind not in "iuf":
-        raise TypeError(
-            f"jaxnitro: the base learning rate is {value!r} ({source}); it must be a number, e.g. "
-            f"`def learning_rate(self): return 1e-3`. Return a schedule through "
-            f"`schedules={{'learning_rate': ...}}`, not from `learning_rate`."
-        )
-    rate = float(value)
-    if not math.isfinite(rate) or rate < 0:
-        raise ValueError(
-            f"jaxnitro: the base learning rate is {rate!r} ({source}); it must be a finite "
-            f"number >= 0. A negative rate ascends the loss, NaN or inf makes every weight NaN "
-            f"(reported later as a divergence). Return a positive rate such as 1e-3."
-        )
-    return rate
-
-
-def check_optimizer_groups(groups, cls_name: str) -> None:
-    """Refuse a group whose ``learning_rate_ratio`` or ``weight_decay`` is not a finite number >= 0."""
-    for g in groups:
-        for hook, v in (("learning_rate_ratio", g.ratio), ("weight_decay", g.weight_decay)):
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(
-                    f"jaxnitro: `{hook}({g.name!r})` of {cls_name} returned {v!r}; it must be a "
-                    f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
-                    f"as a divergence). Return a number for group `{g.name}`."
-                )
-
-
 def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, precision_policy=None,
                   sharding_policy=None) -> Settings:
     """Typed settings from resolved knobs (checked with :func:`check_values` first), made once:
@@ -334,21 +300,23 @@ def make_settings(knobs: dict[str, ResolvedKnob], *, logger, monitor, n_devs, pr
     )
 
 
-def require_monitor_and_val(nitro, name: str, purpose: str, instead: str) -> None:
+def require_monitor_and_val(settings: Settings, splits, cls_name: str, name: str, purpose: str,
+                            instead: str) -> None:
     """For a plugin knob that needs the monitored metric on the `val` split (early stopping,
-    best checkpoints): refuse, naming knob ``name``, its source, ``purpose`` (what the metric
-    is for) and the alternative ``instead``, when there is no ``monitor`` hook or no ``val``
-    split while training."""
-    source, cls_name = nitro.settings.source(name), type(nitro.experiment).__name__
-    if nitro.settings.monitor is None:
+    best checkpoints): refuse, naming knob ``name``, its source (from ``settings``), ``purpose``
+    (what the metric is for) and the alternative ``instead``, when ``settings.monitor`` is None
+    (``cls_name``, the experiment's class, has no ``monitor`` hook) or ``splits`` (the data's
+    split names) has ``train`` but no ``val``."""
+    source = settings.source(name)
+    if settings.monitor is None:
         raise ValueError(
             f"jaxnitro: `{name}` ({source}) {purpose}, but {cls_name} has no `monitor` hook, so "
             f"there is no metric for it. Define `def monitor(self): return ('<metric>', 'max' | "
             f"'min')`, or {instead}."
         )
-    if "val" not in nitro.data and "train" in nitro.data:
+    if "val" not in splits and "train" in splits:
         raise ValueError(
             f"jaxnitro: `{name}` ({source}) {purpose}, ranked on the `val` split's "
-            f"{nitro.settings.monitor[0]!r}, but the data has no `val` split (splits: "
-            f"{sorted(nitro.data)}). Return one from build_data, or {instead}."
+            f"{settings.monitor[0]!r}, but the data has no `val` split (splits: "
+            f"{sorted(splits)}). Return one from build_data, or {instead}."
         )

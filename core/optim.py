@@ -25,6 +25,8 @@ hyperparameter vector (a new decay compiles nothing); :func:`ema_of` reads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -187,6 +189,7 @@ class OptimizerSpec:
     clip_norm: float
     layout: HyperLayout
     ema_decay: float | None = None
+    base_lr: float = 1e-3  # the experiment's `learning_rate()`, checked
 
     def key(self) -> tuple:
         return (
@@ -239,8 +242,11 @@ class OptimizerSpec:
         )
         return clipped
 
-    def base_vector(self, base_lr: float) -> np.ndarray:
-        """The hyperparameter vector with no schedule: ``ratio * base_lr``, each group's decay, the clip."""
+    @functools.cached_property
+    def base(self) -> np.ndarray:
+        """The hyperparameter vector with no schedule (read-only, made once per spec): ``ratio *
+        base_lr`` per group, each group's decay, a scheduled rule hyperparameter's default, the
+        clip threshold, the EMA decay."""
         out = np.zeros(self.layout.size, np.float32)
         out[self.layout.clip_index] = self.clip_norm
         if self.ema:
@@ -248,11 +254,12 @@ class OptimizerSpec:
         for i, (group, hyper) in enumerate(self.layout.slots):
             g = next(x for x in self.groups if x.name == group)
             if hyper == "learning_rate":
-                out[i] = g.ratio * base_lr
+                out[i] = g.ratio * self.base_lr
             elif hyper == "weight_decay":
                 out[i] = g.weight_decay
             else:  # a rule's own hyperparameter (always scheduled): its default until then
                 out[i] = rule_hypers(g.rule)[hyper]
+        out.setflags(write=False)
         return out
 
     def with_scheduled(self, scheduled: dict) -> "OptimizerSpec":
@@ -378,11 +385,13 @@ def set_hypers(opt_state, spec: OptimizerSpec, vector):
 
 
 def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | None = None) -> OptimizerSpec:
-    """Resolve groups, rules, ratios, decays and decay anchors from the experiment's hooks.
+    """Resolve groups, rules, ratios, decays, decay anchors and the base learning rate from the
+    experiment's hooks.
 
     ``hooks`` maps hook names to :class:`~jaxnitro.plugin_manager.ResolvedHook`.
-    Raises ``ValueError`` naming the group when a ratio or decay is negative,
-    a rule is not callable or ``decay_anchor`` is not ``"zero"`` / ``"w0"``.
+    Raises ``ValueError`` naming the group when a ratio or decay is negative or not finite,
+    a rule is not callable or ``decay_anchor`` is not ``"zero"`` / ``"w0"``; ``TypeError`` /
+    ``ValueError`` naming the hook when ``learning_rate`` is not a finite number >= 0.
     """
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     group_of = hooks["param_group"].function
@@ -401,30 +410,64 @@ def build_optimizer_spec(e, hooks, params, clip_norm: float, ema_decay: float | 
         names.append(g)
         counts[g] = counts.get(g, 0) + int(np.size(leaf))
     labels = jax.tree_util.tree_unflatten(treedef, names)
-    groups = []
-    slots = []
-    for name in sorted(counts):
-        rule = hooks["optimizer"].function(e, name)
-        if not callable(rule):
-            raise TypeError(
-                f"jaxnitro: `optimizer` returned {rule!r} for group `{name}`; return an optax rule "
-                f"factory such as `optax.radam` (called with `learning_rate`)."
-            )
-        ratio = float(hooks["learning_rate_ratio"].function(e, name))
-        decay = float(hooks["weight_decay"].function(e, name))
-        if ratio < 0 or decay < 0:
-            raise ValueError(
-                f"jaxnitro: group `{name}` has learning_rate_ratio={ratio} and weight_decay={decay}; "
-                f"both must be >= 0."
-            )
-        anchor = hooks["decay_anchor"].function(e, name) if "decay_anchor" in hooks else "zero"
-        if not isinstance(anchor, str) or anchor not in ANCHORS:
-            raise ValueError(
-                f"jaxnitro: `decay_anchor` returned {anchor!r} for group `{name}`; it must return "
-                f"'zero' (decay toward zero, the default) or 'w0' (L2-SP: toward the group's initial "
-                f"weights, or the transferred ones with `weights=..., w0='weights'`)."
-            )
-        groups.append(GroupSpec(name, rule, ratio, decay, counts[name], anchor))
-        slots += [(name, h) for h in HYPERS]  # rule hyperparameters join when scheduled (with_scheduled)
+    groups = tuple(_group_spec(e, hooks, name, n) for name, n in sorted(counts.items()))
+    slots = [(g.name, h) for g in groups for h in HYPERS]  # rule hyperparameters join when scheduled (with_scheduled)
+    base_lr = check_learning_rate(
+        hooks["learning_rate"].function(e),
+        f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
+    )
     layout = HyperLayout(tuple(slots), ema=ema_decay is not None)
-    return OptimizerSpec(tuple(groups), labels, float(clip_norm or 0.0), layout, ema_decay)
+    return OptimizerSpec(groups, labels, float(clip_norm or 0.0), layout, ema_decay, base_lr)
+
+
+def _group_spec(e, hooks, name: str, n_params: int) -> GroupSpec:
+    """Group ``name``'s rule, ratio, decay and decay anchor from the experiment's hooks, checked."""
+    rule = hooks["optimizer"].function(e, name)
+    if not callable(rule):
+        raise TypeError(
+            f"jaxnitro: `optimizer` returned {rule!r} for group `{name}`; return an optax rule "
+            f"factory such as `optax.radam` (called with `learning_rate`)."
+        )
+    ratio = float(hooks["learning_rate_ratio"].function(e, name))
+    decay = float(hooks["weight_decay"].function(e, name))
+    if ratio < 0 or decay < 0:
+        raise ValueError(
+            f"jaxnitro: group `{name}` has learning_rate_ratio={ratio} and weight_decay={decay}; "
+            f"both must be >= 0."
+        )
+    for hook, v in (("learning_rate_ratio", ratio), ("weight_decay", decay)):
+        if not math.isfinite(v):
+            raise ValueError(
+                f"jaxnitro: `{hook}({name!r})` of {type(e).__name__} returned {v!r}; it must be a "
+                f"finite number >= 0 (NaN would make the group's weights NaN, reported later "
+                f"as a divergence). Return a number for group `{name}`."
+            )
+    anchor = hooks["decay_anchor"].function(e, name) if "decay_anchor" in hooks else "zero"
+    if not isinstance(anchor, str) or anchor not in ANCHORS:
+        raise ValueError(
+            f"jaxnitro: `decay_anchor` returned {anchor!r} for group `{name}`; it must return "
+            f"'zero' (decay toward zero, the default) or 'w0' (L2-SP: toward the group's initial "
+            f"weights, or the transferred ones with `weights=..., w0='weights'`)."
+        )
+    return GroupSpec(name, rule, ratio, decay, n_params, anchor)
+
+
+def check_learning_rate(value, source: str) -> float:
+    """The base learning rate as a float; ``ValueError`` unless it is a finite number >= 0.
+
+    ``source`` says where it came from (``"the learning_rate hook of Tiny (experiment)"``).
+    """
+    arr = None if isinstance(value, (str, bytes, bool, np.bool_)) else np.asarray(value)
+    rate = float(value) if arr is not None and arr.shape == () and arr.dtype.kind in "iuf" else None
+    said = f"jaxnitro: the base learning rate is {value if rate is None else rate!r} ({source}); it must be"
+    if rate is None:
+        raise TypeError(
+            f"{said} a number, e.g. `def learning_rate(self): return 1e-3`. Return a schedule "
+            f"through `schedules={{'learning_rate': ...}}`, not from `learning_rate`."
+        )
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError(
+            f"{said} a finite number >= 0. A negative rate ascends the loss, NaN or inf makes every "
+            f"weight NaN (reported later as a divergence). Return a positive rate such as 1e-3."
+        )
+    return rate

@@ -92,14 +92,13 @@ from .contracts import (
 )
 from .describe import describe, summarize_value
 from .distributed import ProcessPart, check_count, split_by_process
-from .evaluation import check_monitored_value, monitored_value
 from .events import RunContext, StepStretch
 from .run_state import RunState, SavedRun
 from .first_step import FirstStep, StepProgram
 from .experiment import call_method, fields_of, is_experiment, method_of, to_device_value
 from .hookcalls import Answer, answers_for, knob_owner
 from .plugin_manager import answer_source
-from .history import best_positions, improves
+from .history import best_positions, check_monitored_value, improves, monitored_value
 from .inference import InferenceProgram
 from .hookspecs import EXPERIMENT_HOOKS, ExtensionSpec, LifecycleSpec, hookimpl, hookspec
 from .knobs import HANDLE_KEYWORDS, KNOB_DEFAULTS, RUN_KNOBS, SCALAR_KNOBS, require_monitor_and_val, resolve_knobs

@@ -22,6 +22,7 @@ ambiguity error that shows both qualified forms.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -391,28 +392,32 @@ class StepValues:
     steps it did not take. Steps are counted from 0; a step past the horizon
     gets the last step's values.
 
+    * ``scale``: ``1 / accum``, the weight of each micro-batch's gradient;
     * ``hypers(step)``: one float32 vector (a device constant when no optimizer
-      value is scheduled); ``hypers_block(step, k)``: ``[k, n]``;
-    * ``dev(base, step)``: the Device values with scheduled fields replaced;
-      ``dev_block(step, k)``: ``{field: [k]}``; ``device``: the scheduled fields'
-      streams by name (its keys are the scheduled fields);
+      value is scheduled, on every device of a sharded ``plan.dist``); ``hypers_block(step, k)``: ``[k, n]``;
+    * ``dev(step)``: ``device_values`` (the handle's dict, held: ``nitro.set_device`` writes
+      there) with the scheduled fields replaced; ``dev_block(step, k)``: ``{field: [k, ...]}``;
+      ``device``: the scheduled fields' streams by name;
     * ``logged``: ``schedule/<group>/<hyper>`` and ``schedule/<field>`` mapped to a
       :class:`ScheduleLog` for each schedule that varies;
     * ``evaluated``: the schedule step values computed so far, all schedules together.
     """
 
-    def __init__(self, plan, device_values: dict, total: int):
-        spec = plan.opt_spec
+    def __init__(self, plan, device_values: dict, total: int, accum: int = 1):
+        spec, dist = plan.opt_spec, plan.dist if plan.dist is not None and plan.dist.sharded else None
         self.total = total = max(int(total), 1)
         self.layout = spec.layout
-        self.base = spec.base_vector(plan.base_lr)
+        self.base = spec.base
+        self.values = device_values
+        place = jax.device_put if dist is None else (lambda x: dist.replicate(jax.device_put(x)))  # once, not per step
+        self.scale = place(np.float32(1.0 / accum))
         bindings = plan.bindings
         self.constant = not bindings.opt
         self.logged: dict[str, ScheduleLog] = {}
         self.streams: list[ScheduleStream] = []
         self.slots: list[tuple[int, ScheduleStream, float]] = []  # (column, stream, multiplier)
         if self.constant:
-            self.vector = jax.device_put(self.base)
+            self.vector = place(self.base)
         else:
             bare = {
                 h: self._stream(f, f"opt/{h}") for (g, h), f in bindings.opt.items() if g is None
@@ -447,6 +452,7 @@ class StepValues:
         self.block = min((s.block for s in self.streams), default=BLOCK)
         self._hyper_tables: dict[int, np.ndarray] = {}
         self._dev_tables: dict[tuple[str, int], np.ndarray] = {}
+        self._tiled: dict[int, dict] = {}  # k -> the unscheduled Device values, k copies each
 
     def _log_decay(self, gspec, lr_slot: int, bindings, varying_rate: bool) -> None:
         """Log ``schedule/<group>/weight_decay``: the decoupled decay as applied at each step,
@@ -520,10 +526,15 @@ class StepValues:
         return np.stack([self.hypers(s) for s in range(step, step + k)])
 
     def dev_block(self, step: int, k: int) -> dict:
-        """The scheduled Device fields of steps ``step .. step + k - 1``: ``{name: [k]}``."""
+        """Every Device value of steps ``step .. step + k - 1``, ``{name: [k, ...]}``, the fixed
+        ones tiled once per ``k``: a per-step (scanned) input, as XLA may hoist a loop-invariant
+        one out of the loop and round differently from the one-step program."""
+        tiled = self._tiled.get(k)
+        if tiled is None:
+            tiled = self._tiled[k] = _tiled({n: v for n, v in self.values.items() if n not in self.device}, k)
         if not self.device:
-            return {}
-        out = {}
+            return tiled
+        out = dict(tiled)
         for name in self.device:
             b, i = divmod(min(step, self.total - 1), self.block)
             table = self._dev_table(name, b)
@@ -533,11 +544,18 @@ class StepValues:
                 out[name] = np.asarray([self._dev_row(name, s) for s in range(step, step + k)], self.dtypes[name])
         return out
 
-    def dev(self, base: dict, step: int) -> dict:
-        """``base`` with each scheduled Device field replaced by its value at ``step``."""
+    def dev(self, step: int) -> dict:
+        """The Device values of ``step``: the run's, each scheduled field replaced by its value there."""
         if not self.device:
-            return base
-        out = dict(base)
+            return self.values
+        out = dict(self.values)
         for name in self.device:
             out[name] = self._dev_row(name, step)
         return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _tiled(values: dict, k: int) -> dict:
+    """Each value with a leading axis of ``k`` copies (compiled: also for arrays spanning the
+    processes of a multi-process job, which eager operations refuse)."""
+    return {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in values.items()}

@@ -94,7 +94,7 @@ def batch_rows(batch: Any) -> int | None:
 
 def check_past_end(
     batch_at: Callable[[int], Any], n: int, width: int | None, split: str | None, epoch: int,
-    when: str = "",
+    when: str = "", subject: str | None = None,
 ) -> None:
     """After the batches below ``len()`` (``n``) were read: ``batch_at(n)`` must not serve a
     full batch, one with at least ``width`` rows (the pass's first batch's; None: nothing was
@@ -109,7 +109,9 @@ def check_past_end(
     (the torch and grain adapters, whose dataset serves the index at its own length) raises
     ``SourceLengthError.hidden`` from ``batch_at(n)``: raised again here naming ``split``.
     ``batch_at`` is called once, in the caller's thread, while the epoch's plan
-    (``begin_epoch``) is still the pass's."""
+    (``begin_epoch``) is still the pass's. ``subject``: how the message names the length
+    that disagrees instead of ``jaxnitro: the `<split>` split's len()`` (``jn.check_batch_at``
+    says ``len(source)``)."""
     if not width:
         return
     try:
@@ -118,12 +120,12 @@ def check_past_end(
         detail = getattr(err, "detail", None)
         if detail is None:
             raise
-        raise SourceLengthError.hidden(split, n, epoch, detail, err.fix, when) from None
+        raise SourceLengthError.hidden(split, n, epoch, detail, err.fix, when, subject) from None
     except Exception:  # noqa: BLE001 - the end of the batches, as the contract says
         return
     rows = batch_rows(extra)
     if rows is not None and rows >= width:
-        raise SourceLengthError.past_end(split, n, rows, width, epoch, when)
+        raise SourceLengthError.past_end(split, n, rows, width, epoch, when, subject)
 
 
 def _iterated(source: Iterable, epoch: int, split: str | None = None) -> Iterator[tuple[int, Any]]:

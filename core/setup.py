@@ -112,7 +112,7 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     plan = Plan(
         hooks=hooks, routes=routes, width=width, batch_fields=batch_fields, metrics_on_device=metrics_on_device,
         skeleton=model.skeleton, programs=ProgramSet(**program_args, layout=opt.layout), opt_spec=opt.opt_spec,
-        tx=opt.tx, base_lr=opt.base_lr, bindings=opt.bindings, weights_from=weights_from, derived=derived,
+        tx=opt.tx, bindings=opt.bindings, weights_from=weights_from, derived=derived,
         anchor_from=anchor_from, resumed=resumed, weights_meta=None if record is None else dict(record.metadata),
         dist=dist, layout=opt.layout,
     )
@@ -263,7 +263,6 @@ class _Optimizer:
 
     opt_spec: object
     tx: object
-    base_lr: float | None
     bindings: object
     layout: object
 
@@ -384,7 +383,7 @@ def _build_optimizer(e, hooks: dict, layout, settings: Settings, data: dict, sta
 
     ``anchor``: the weights ``decay_anchor = "w0"`` groups decay toward when they are not
     the current params (``build_model``'s, after ``weights=`` without ``w0="weights"``)."""
-    opt_spec = tx = base_lr = None
+    opt_spec = tx = None
     manual = "train_step" in hooks
     if manual:
         check_manual_experiment(type(e).__name__, hooks, settings.accum)
@@ -397,15 +396,10 @@ def _build_optimizer(e, hooks: dict, layout, settings: Settings, data: dict, sta
             )
         ema_decay = check_ema_knob(settings.ema, settings.source("ema"))
         opt_spec = build_optimizer_spec(e, hooks, state.params, settings.gradient_clip_norm, ema_decay)
-        _knobs.check_optimizer_groups(opt_spec.groups, type(e).__name__)
         # schedules bind first: a scheduled rule hyperparameter (Adam's b1) is injected
         schedulable = {g.name: g.schedulable for g in opt_spec.groups}
         bindings = bind_schedules(settings.schedules, _device_fields(e), schedulable)
         opt_spec = opt_spec.with_scheduled(scheduled_rule_hypers(bindings, schedulable))
-        base_lr = _knobs.check_learning_rate(
-            hooks["learning_rate"].function(e),
-            f"`learning_rate` of {type(e).__name__} ({hooks['learning_rate'].source})",
-        )
         if manual:  # one optimizer per model, applied by the experiment's train_step
             tx = split_optimizer(opt_spec, state.params)
             opt_state = tx.init(state.params, anchor)
@@ -418,7 +412,7 @@ def _build_optimizer(e, hooks: dict, layout, settings: Settings, data: dict, sta
         state = state.replace(opt_state=opt_state)
     else:
         bindings = bind_schedules(settings.schedules, _device_fields(e), ())
-    return state, _Optimizer(opt_spec, tx, base_lr, bindings, layout)  # the train programs pin outputs to layout
+    return state, _Optimizer(opt_spec, tx, bindings, layout)  # the train programs pin outputs to layout
 
 
 def _device_fields(e) -> dict:

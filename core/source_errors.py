@@ -60,12 +60,13 @@ class SourceLengthError(PrefetchError, ValueError):
         self.split, self.length, self.count = split, length, count
 
     @classmethod
-    def _made(cls, split: str | None, length: int, count: int, index: int, epoch: int, text: str) -> SourceLengthError:
-        """An error whose message is ``text`` after the split's name (``"'s len() is ..."``),
-        made without :meth:`__init__` (which words the iterated case)."""
+    def _made(cls, split: str | None, length: int, count: int, index: int, epoch: int, text: str,
+              subject: str | None = None) -> SourceLengthError:
+        """An error whose message is ``subject`` (None: ``jaxnitro: the `<split>` split's len()``)
+        then ``text`` (``" is 4, but ..."``), made without :meth:`__init__` (the iterated case)."""
         err = cls.__new__(cls)
-        where = f"the `{split}` split" if split else "a data source"
-        PrefetchError.__init__(err, f"jaxnitro: {where}{text}", index=index, epoch=epoch)
+        subject = subject or f"jaxnitro: {f'the `{split}` split' if split else 'a data source'}'s len()"
+        PrefetchError.__init__(err, f"{subject}{text}", index=index, epoch=epoch)
         err.split, err.length, err.count = split, length, count
         return err
 
@@ -78,7 +79,7 @@ class SourceLengthError(PrefetchError, ValueError):
         it can have). ``when`` says what was reading (setup's check of the last batch)."""
         err = cls._made(
             split, length, index, index, epoch,
-            f"'s len() is {length}, but batch_at({index}) raised IndexError "
+            f" is {length}, but batch_at({index}) raised IndexError "
             f"({exc}) in epoch {epoch}{when}: len() and the batches disagree, so batches "
             f"0..{length - 1} do not all exist. The epoch length and the schedule horizon are "
             f"computed from len(). Fix: make the source's __len__ return the number of batches "
@@ -90,36 +91,42 @@ class SourceLengthError(PrefetchError, ValueError):
 
     @classmethod
     def past_end(
-        cls, split: str | None, length: int, rows: int, width: int, epoch: int, when: str = ""
+        cls, split: str | None, length: int, rows: int, width: int, epoch: int, when: str = "",
+        subject: str | None = None,
     ) -> SourceLengthError:
         """``batch_at(length)`` (one past ``len()``) returned a batch of ``rows`` rows, as wide
         as the epoch's batches (``width``): the source has more batches than its ``len()``,
         and those past it would never be read (``count`` is ``length + 1``, the fewest it has).
-        ``when`` says what was reading (setup's check of the last batch)."""
+        ``when`` says what was reading (setup's check of the last batch); ``subject`` as in
+        :meth:`_made`."""
         return cls._made(
             split, length, length + 1, length, epoch,
-            f"'s len() is {length}, but batch_at({length}), one past its last "
+            f" is {length}, but batch_at({length}), one past its last "
             f"batch, returned a full batch ({rows} rows, as wide as its batch of {width}) in epoch "
             f"{epoch}{when}: len() and the batches disagree, so at least {length + 1} batches "
             f"exist and those past len() would never be read (an epoch reads batches "
             f"0..{length - 1} only). Fix: make the source's __len__ return the number of batches "
             f"batch_at serves, or make batch_at raise IndexError for i >= len() (a source that "
             f"serves any index, e.g. generated data, must still bound it).",
+            subject,
         )
 
     @classmethod
     def hidden(
-        cls, split: str | None, length: int, epoch: int, detail: str, fix: str, when: str = ""
+        cls, split: str | None, length: int, epoch: int, detail: str, fix: str, when: str = "",
+        subject: str | None = None,
     ) -> SourceLengthError:
         """A source that knows its ``len()`` hides data says so from ``batch_at(length)`` (an
         adapter whose dataset serves an index at its own length): ``detail`` says what it found,
         ``fix`` what to change. Raised with ``split`` None by the source; the core's check one
-        past the end (``jaxnitro.serial_pass.check_past_end``) raises it again naming the split."""
+        past the end (``jaxnitro.serial_pass.check_past_end``) raises it again naming the split
+        (or ``subject``, as in :meth:`_made`)."""
         err = cls._made(
             split, length, length + 1, length, epoch,
-            f"'s len() is {length}, but {detail} (epoch {epoch}{when}): len() and "
+            f" is {length}, but {detail} (epoch {epoch}{when}): len() and "
             f"the data disagree, the data holds more than the {length} batches len() counts, and "
             f"what lies past them would never be read. Fix: {fix}",
+            subject,
         )
         err.detail, err.fix = detail, fix
         return err

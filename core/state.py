@@ -103,7 +103,8 @@ class Plan:
     - ``metrics_on_device``: whether ``metrics`` is traced;
     - ``skeleton``: the model's non-trainable half (:class:`~jaxnitro.programs.ModelSkeleton`);
     - ``programs``: the handle's :class:`~jaxnitro.programs.ProgramSet`;
-    - ``opt_spec``, ``tx``, ``base_lr``: the optimizer (None without a train split);
+    - ``opt_spec``, ``tx``: the optimizer (None without a train split); ``base_lr`` (a
+      property): the spec's base learning rate;
     - ``bindings``: where each schedule landed;
     - ``weights_from``: where the initial weights came from, in words;
     - ``derived``: what ``derive`` returned (or the record restored), ``{field: host value}``;
@@ -128,7 +129,6 @@ class Plan:
     programs: Any = None
     opt_spec: Any = None
     tx: Any = None
-    base_lr: float | None = None
     bindings: Any = None
     weights_from: str = ""
     derived: dict = field(default_factory=dict)
@@ -141,6 +141,11 @@ class Plan:
     def replace(self, **changes) -> "Plan":
         """A new plan with ``changes`` (the programs, hooks and routes are shared, not copied)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def base_lr(self) -> float | None:
+        """The base learning rate (``learning_rate()``, checked), kept with the optimizer spec."""
+        return None if self.opt_spec is None else self.opt_spec.base_lr
 
     @property
     def memory(self):

@@ -24,9 +24,10 @@ import structlog
 from .batches import unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
-from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader, counted, keyed, width_checked
+from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, emit, emit_finish, run_scoped
+from .history import check_monitored_in
 from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
@@ -135,8 +136,8 @@ def run_training(nitro) -> None:
     with stop_signals():
         try:
             record.status = "running"
-            record.run_dir = run_folder_of(nitro)
             dist = nitro.plan.dist
+            record.run_dir = run_folder_of(nitro.plan.resumed, dist, nitro.settings.run_dir, nitro.experiment)
             hold = hold_run_folder(record.run_dir, dist)  # before anything is written into it
             run = RunContext(nitro, record.run_dir)
             logger = nitro.settings.logger if dist is None or dist.is_main else None  # process 0 logs
@@ -164,16 +165,16 @@ def run_training(nitro) -> None:
             release_sources(nitro.data)  # once per run end; a released source reopens when read again
 
 
-def run_folder_of(nitro) -> str:
-    """The run's folder: with ``resume=`` from a checkpoint its run can continue from, that
-    run's folder (its metrics.jsonl and checkpoints go on); otherwise a new one."""
-    resumed = nitro.plan.resumed
+def run_folder_of(resumed, dist, run_dir: str, experiment) -> str:
+    """The run's folder: with ``resumed`` (``plan.resumed``: ``resume=`` from a checkpoint whose
+    run can continue), that run's folder (its metrics.jsonl and checkpoints go on); otherwise a
+    new one under ``run_dir`` (:func:`new_run_folder`), made by process 0 of a multi-process
+    ``dist`` and shared with the others."""
     if resumed is not None and resumed.continue_folder and resumed.run_folder and os.path.isdir(resumed.run_folder):
         return resumed.run_folder
-    dist = nitro.plan.dist
     if dist is not None and dist.multi_process:  # one folder for the job: process 0 makes it
-        return dist.from_main(new_run_folder(nitro.settings.run_dir, nitro.experiment) if dist.is_main else None)
-    return new_run_folder(nitro.settings.run_dir, nitro.experiment)
+        return dist.from_main(new_run_folder(run_dir, experiment) if dist.is_main else None)
+    return new_run_folder(run_dir, experiment)
 
 
 def _status_of(exc: BaseException) -> str:
@@ -210,7 +211,7 @@ class _Run:
         self.book = make_book(nitro.settings, self.steps_per_epoch, periods)
         resumed_meta = nitro.plan.weights_meta if nitro.plan.resumed is not None else None
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
-        self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1))
+        self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1), accum)
         self.validated = "val" in nitro.data
         dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
@@ -261,37 +262,29 @@ class _Run:
         o_def = jax.tree_util.tree_structure(nitro.opt_state)
         self.step_prog = progs.train_step(plan.opt_spec, plan.tx, o_def)
         self.block_prog = self._block_program() if k > 1 else None
-        scale = jax.device_put(np.float32(1.0 / accum))
-        if dist is not None:
-            scale = dist.replicate(scale)
-            if self.scheds.constant:  # the one hyperparameter vector: on every device once, not per step
-                self.scheds.vector = dist.replicate(self.scheds.vector)
         keyed_run = any(plan.routes[h].wants_key for h in TRAIN_HOOKS if h in plan.routes)
-        extra, columns = {}, None
+        fields, source, extra, columns = _device_fields(plan.routes, TRAIN_HOOKS), unwrap(self.train), {}, None
         if self.probe is not None:  # "auto": read by row numbers from the start, to switch to blocks
-            columns = ColumnBlocks.of(unwrap(self.train), _device_fields(plan.routes, TRAIN_HOOKS), 1, accum, keyed_run, False)
+            columns = ColumnBlocks.of(source, fields, 1, accum, keyed_run, False)
             if columns is None:
                 self.probe = None
-        if k > 1 or self.probe is not None:  # batches stay on the host until a block of k * accum is sent at once
-            fields = _device_fields(plan.routes, TRAIN_HOOKS)
-            transfer = lambda batch: {f: batch[f] for f in fields if f in batch}  # noqa: E731
+        on_host = k > 1 or self.probe is not None  # batches stay on the host until a block of k * accum is sent at once
+        if on_host:
             if keyed_run:
                 extra = {KEY_DATA: nitro.state.rng}
             if columns is None:
-                columns = ColumnBlocks.of(unwrap(self.train), fields, k, accum, keyed_run, dist is not None)
-        else:
-            transfer = make_transfer(plan, TRAIN_HOOKS)
-        if not isinstance(unwrap(self.train), (list, tuple)):  # setup read every batch of a list only
-            transfer = width_checked(transfer, plan.width)
-        if keyed_run:
-            counter = itertools.count(nitro.step * accum)
-            transfer = keyed(transfer, nitro.state.rng, counter) if not extra else counted(transfer, counter)
+                columns = ColumnBlocks.of(source, fields, k, accum, keyed_run, dist is not None)
+        transfer = make_transfer(
+            plan, TRAIN_HOOKS, on_host=on_host,
+            width=None if isinstance(source, (list, tuple)) else plan.width,  # setup read every batch of a list
+            counter=itertools.count(nitro.step * accum) if keyed_run else None,
+            key=None if extra else nitro.state.rng,
+        )
         dispatcher = Dispatcher(
             k=k, accum=accum, step_fn=self.step_prog.jitted,
             accumulate=progs.accumulate().jitted if accum > 1 else None,
             block_fn=self.block_prog.jitted if self.block_prog else None, scheds=self.scheds,
-            device_values=nitro.device_values, scale=scale, extra=extra,
-            columns=columns.device if columns is not None else None,
+            extra=extra, columns=columns.device if columns is not None else None,
         )
         return dispatcher, transfer, columns
 
@@ -338,7 +331,7 @@ class _Run:
         """The run's first optimizer step as the dispatcher will run it (for the memory preflight)."""
         nitro = self.nitro
         return first_step(nitro.plan, nitro.settings, nitro.state, nitro.device_values, self.train,
-                          self.scheds, self.dispatcher.scale)
+                          self.scheds)
 
     def train_epoch(self, epoch: int, into: int, stop) -> Outcome:
         """Dispatch ``epoch`` from its step ``into`` (0, or a resumed run's position) to its
@@ -528,10 +521,5 @@ class _Run:
                                              nitro.data["val"], "val")
         emit("jaxnitro_split_evaluated", run=self.run_ctx, split="val", metrics=metrics, context="validate")
         nitro.record.rows[-1].update(metrics)
-        monitor = nitro.settings.monitor
-        if monitor is not None and monitor[0] not in metrics:
-            raise KeyError(
-                f"jaxnitro: `monitor` names {monitor[0]!r}, but the validation metrics are "
-                f"{sorted(metrics)} (what finalize_metrics returned). Return it from "
-                f"`finalize_metrics`/`metrics`, or monitor one of those."
-            )
+        if nitro.settings.monitor is not None:  # present and one number, before a plugin reads the row
+            check_monitored_in(metrics, nitro.settings.monitor[0])

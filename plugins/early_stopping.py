@@ -90,7 +90,8 @@ def jaxnitro_accept_knob(name, value, nitro):
             f"jaxnitro: `early_stop` = {value!r} ({source}); give a jn.EarlyStopping(patience=...) "
             f"or an object with `should_stop(epoch, value, mode) -> bool`, or None."
         )
-    require_monitor_and_val(nitro, "early_stop", "stops on the monitored metric", "drop early_stop")
+    require_monitor_and_val(nitro.settings, nitro.data, type(nitro.experiment).__name__, "early_stop",
+                            "stops on the monitored metric", "drop early_stop")
     return True
 
 

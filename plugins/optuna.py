@@ -126,8 +126,8 @@ def jaxnitro_accept_knob(name, value, nitro):
     whose direction matches the monitor."""
     if name != "early_stop" or not isinstance(value, OptunaPruning):
         return None
-    require_monitor_and_val(nitro, "early_stop", "reports the monitored metric to the Optuna trial",
-                            "drop early_stop")
+    require_monitor_and_val(nitro.settings, nitro.data, type(nitro.experiment).__name__, "early_stop",
+                            "reports the monitored metric to the Optuna trial", "drop early_stop")
     _check_direction(value, nitro.settings.monitor, nitro.settings.source("early_stop"))
     return True
 

@@ -445,6 +445,16 @@ def test_array_valued_monitored_metric_from_an_iterated_val_split(tmp_path):
     assert n.status == "failed"
 
 
+def test_array_valued_monitored_metric_is_refused_at_validation_without_a_stop_policy(tmp_path):
+    tripled = jn.experiment(type("Tripled", (MonitorsAcc,), {
+        "finalize_metrics": lambda self, acc, split: {"acc": np.full(3, acc["acc"])}}))
+    data = {"train": DATA["train"], "val": Counted(DATA["val"], len(DATA["val"]), len(DATA["val"]))}
+    n = jn.Nitro(tripled(), data=data, run_dir=tmp_path, **QUIET)  # no stop policy reads the metric
+    with pytest.raises(TypeError, match=r"the monitored metric 'acc' is an array of shape \(3,\)"):
+        n.train()  # where the validation's metrics enter the row, before any plugin reads it
+    assert (n.status, n.step) == ("failed", len(DATA["train"]))
+
+
 @pytest.mark.parametrize("name", ["step", "epoch", "train_loss"])
 def test_metric_named_like_a_history_column(tmp_path, name):
     cls = jn.experiment(type("Clash", (Tiny,), {"metrics": lambda self, logits, *, y: {name: (1.0, 1)}}))

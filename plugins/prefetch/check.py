@@ -144,10 +144,9 @@ def check_batch_at(source: Any, epoch: int = 0) -> None:
         )
         last = b
     try:
-        check_past_end(batch_at, n, batch_rows(first), None, epoch)
+        check_past_end(batch_at, n, batch_rows(first), None, epoch, subject="len(source)")
     except SourceLengthError as exc:
-        raise ValueError(str(exc).removeprefix("jaxnitro: a data source")
-                         .replace("'s len()", "len(source)", 1).lstrip()) from None
+        raise ValueError(str(exc)) from None
     begin(epoch)
     for i, ref in ((0, first), (n - 1, last)):
         _require_same(
