@@ -244,8 +244,10 @@ class _Run:
     def _auto_k(self, dist) -> tuple[int, "AutoProbe | None"]:
         """``steps_per_dispatch="auto"``: ``(k, probe)``. The ``k`` an earlier run of the same
         programs chose (kept with the block program), else 1 and a probe that measures the step
-        time and chooses (see :class:`~jaxnitro.dispatch.AutoProbe`). A source without columns
-        (its blocks would be stacked on the host) or a sharded run: 1, no probe."""
+        time and chooses (see :class:`~jaxnitro.dispatch.AutoProbe`), when steps are left after
+        its last mark to use the choice (a choice made at the run's last step would leave the
+        block program to compile in the next run). A source without columns (its blocks would
+        be stacked on the host) or a sharded run: 1, no probe."""
         if dist is not None or not callable(getattr(unwrap(self.train), "columns", None)):
             return 1, None
         chosen = self._block_program().meta.get("auto_k")
@@ -253,7 +255,7 @@ class _Run:
             self.run_ctx.chosen_k = chosen
             return chosen, None
         probe = AutoProbe(self.nitro.step, self.book.period())
-        return 1, (probe if probe.last <= self.book.total else None)
+        return 1, (probe if probe.last < self.book.total else None)
 
     def _dispatcher(self, dist):
         """The :class:`Dispatcher`, the train split's transfer and its columns (or None)."""

@@ -420,6 +420,25 @@ def test_auto_is_bitwise_equal_to_one_step_a_dispatch_and_keeps_its_choice(tmp_p
     assert_same_state(again, ref)
 
 
+def test_auto_does_not_probe_a_run_whose_last_step_would_end_the_probe(tmp_path):
+    """The probe's last mark is 40 steps after the start: a 40-step run would choose k at its
+    last step, and the next run of the same programs would compile the block program (a study's
+    second trial, say). Such a run is dispatched one step at a time and chooses nothing."""
+    from long_run_child import data
+
+    class Short(LongRun):  # programs of its own: the compile cache shares them between handles
+        pass
+
+    kw = dict(run_dir=tmp_path, max_steps=40, max_epochs=None, logger=None)
+    first = jn.train(Short(), data=data(), steps_per_dispatch="auto", **kw)
+    plan = first.plan
+    block = plan.programs.train_block(plan.opt_spec, plan.tx, jax.tree_util.tree_structure(first.opt_state))
+    assert "auto_k" not in block.meta and block.traces == 0
+    again = jn.train(Short(), data=data(), steps_per_dispatch="auto", **kw)
+    assert block.traces == 0
+    assert_same_state(again, first)
+
+
 def test_a_bad_steps_per_dispatch_names_auto(tmp_path):
     with pytest.raises(ValueError, match=r'steps_per_dispatch.*or "auto"'):
         jn.Nitro(Tiny(), run_dir=tmp_path, steps_per_dispatch="fast", logger=None)
