@@ -1,5 +1,8 @@
 """Calls into plugins, all through pluggy, with a record of which plugin answered.
 
+The loop, evaluation and the handle call :func:`emit` (one lifecycle hook, every plugin)
+and :func:`emit_finish` (every plugin, even if one fails) on the process's manager
+(:func:`process_manager`, loaded by the loader :mod:`jaxnitro.plugin_manager` installs).
 Every hook call goes through ``pm.hook.<name>(...)``, so pluggy's ``tryfirst``,
 ``trylast``, ``wrapper=True`` and ``hookwrapper=True`` work for every hook. What pluggy
 does not say is *who* answered a ``firstresult`` hook, nor which plugin returned each
@@ -25,11 +28,16 @@ import contextlib
 import contextvars
 import functools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+import structlog
+
+if TYPE_CHECKING:
+    from .events import RunContext
 
 __all__ = [
     "Answer",
@@ -37,13 +45,19 @@ __all__ = [
     "OBSERVED",
     "answers_for",
     "call",
+    "emit",
+    "emit_finish",
     "first_answer",
     "forget_answers",
+    "install_loader",
     "knob_owner",
     "latest_answers",
     "observed_hook",
+    "process_manager",
     "recording",
 ]
+
+log = structlog.get_logger("jaxnitro")
 
 QUESTION_ARGS = {
     "jaxnitro_make_logger": "name",
@@ -193,6 +207,59 @@ def call(pm: pluggy.PluginManager, hook: str, kwargs: dict, *, guard: bool = Fal
     return result, frame
 
 
+_PROCESS: dict = {"pm": None, "load": None}  # the process-wide manager and its loader
+
+
+def install_loader(load) -> None:
+    """``load() -> Manager`` makes the process-wide manager on first use: the discovery
+    (:mod:`jaxnitro.plugin_manager`, which installs it when imported) lives there, the calls here."""
+    _PROCESS["load"] = load
+
+
+def process_manager() -> Manager:
+    """The process-wide manager of entry-point plugins, loaded on first use."""
+    if _PROCESS["pm"] is None:
+        _PROCESS["pm"] = _PROCESS["load"]()
+    return _PROCESS["pm"]
+
+
+def emit(hook: str, **kwargs) -> None:
+    """Call lifecycle hook ``hook`` on every plugin (pluggy's order); exceptions propagate."""
+    getattr(process_manager().hook, hook)(**kwargs)
+
+
+def emit_finish(run: RunContext, status: str) -> None:
+    """``jaxnitro_run_ending``, then ``jaxnitro_run_finish``, on every plugin, through pluggy,
+    each implementation called even if another raised.
+
+    Guarded calls (:func:`call`): pluggy's order, ``tryfirst``/``trylast``
+    and wrappers as for any hook, and an implementation that raises is noted and skipped, so
+    the next one still runs (a ``wrapper=True`` implementation sees the call end normally).
+
+    ``jaxnitro_run_ending`` is where a plugin's last work that can fail is done (the
+    checkpointer's final saves). With status ``"done"`` an error there fails the run:
+    ``jaxnitro_run_finish`` then gets status ``"failed"`` (so the loggers' finish line says
+    so) and ``run.error`` is that error. The first error of either call is raised after all
+    were called when the run was ``"done"``; with any other status the run already has its
+    own outcome (or exception), so errors are reported as warnings and never hide it.
+    """
+    pm = process_manager()
+    _, ending = call(pm, "jaxnitro_run_ending", {"run": run, "status": status}, guard=True)
+    errors = list(ending.errors)
+    final = status
+    if status == "done" and errors:
+        final, run.error = "failed", errors[0][1]
+    _, finish = call(pm, "jaxnitro_run_finish", {"run": run, "status": final}, guard=True)
+    errors += finish.errors
+    for i, (name, err) in enumerate(errors):
+        if status == "done" and i == 0:
+            continue  # raised below, once every other error is reported
+        log.warning("plugin failed to finish the run", plugin=name, status=final, error=repr(err))
+        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({final}): {err!r}", RuntimeWarning)
+    if status == "done" and errors:
+        raise errors[0][1]
+
+
 # -- who answered ----------------------------------------------------------------------
 
 _latest: dict[tuple[str, str], Answer] = {}
@@ -253,7 +320,8 @@ def latest_answers() -> list[Answer]:
 
 
 def forget_answers() -> None:
-    """Drop the process-wide record (the plugins were reloaded)."""
+    """Drop the process-wide manager and record: the plugins are reloaded on next use."""
+    _PROCESS["pm"] = None
     _latest.clear()
 
 

@@ -26,7 +26,8 @@ from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
 from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
-from .events import RunContext, emit, emit_finish, run_scoped
+from .events import RunContext, run_scoped
+from .hookcalls import emit, emit_finish
 from .history import check_monitored_in
 from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
@@ -233,7 +234,9 @@ class _Run:
             read_every = min(read_every, max(1, CPU_SHARDED_IN_FLIGHT // (2 * self.k)))
             max_pending = min(max_pending, max(2, CPU_SHARDED_IN_FLIGHT // self.k))
         logged = self.scheds.logged if nitro.settings.autolog_schedules else {}
-        self.reads = StepReads(run, nitro, accum, self._aux_names, logged, read_every=read_every, max_pending=max_pending)
+        self.reads = StepReads(run, nitro.record, accum, self._aux_names, logged, start=nitro.step,
+                               manual="train_step" in nitro.plan.hooks, check=nitro.settings.check_divergence,
+                               validated=self.validated, read_every=read_every, max_pending=max_pending)
         run.run_state = self.run_state = RunState(nitro, self.position, self.reads)  # the run's changing state
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 
