@@ -120,7 +120,7 @@ def first_step(plan, settings, state, device_values: dict, train, scheds=None) -
     """The first optimizer step of a handle (its ``plan``, ``settings``, ``state``,
     ``device_values`` and ``train`` split) as the loop will dispatch it.
 
-    ``scheds`` (the run's :class:`~jaxnitro.schedules.StepValues`: hyperparameters, Device
+    ``scheds`` (the run's :class:`~jaxnitro.dispatch.StepValues`: hyperparameters, Device
     values, scale) is the loop's, when it asks; without it the same avals are rebuilt from
     the handle's values.
     """

@@ -24,7 +24,7 @@ import structlog
 from .batches import unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
-from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader
+from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StepValues, StreamReader
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
 from .events import RunContext, run_scoped
 from .hookcalls import emit, emit_finish
@@ -41,7 +41,6 @@ from .reads import StepReads, step_scalars
 from .routing import KEY_DATA
 from .position import TrainPosition
 from .run_state import RunState
-from .schedules import StepValues
 from .sources import release_sources
 
 __all__ = ["run_training", "new_run_folder", "hold_run_folder", "READ_EVERY", "step_scalars"]
