@@ -187,9 +187,8 @@ class Dispatcher:
 
     In: the one-step program (``step_fn``), the accumulate program (``accum`` > 1), the
     block program and its per-run inputs (``k`` > 1) and the run's per-step inputs (``scheds``,
-    its :class:`StepValues`: the hyperparameter vector and the Device
-    values of each step, the ``1 / accum`` scale). :meth:`run` takes the
-    flat state leaves and returns the new ones; it never blocks on the device.
+    a :class:`StepValues`). :meth:`run` takes the flat state leaves and returns the new ones;
+    it never blocks on the device.
     """
 
     def __init__(self, *, k, accum, step_fn, accumulate, block_fn, scheds, extra=None, columns=None):
@@ -301,7 +300,7 @@ class StepValues:
     """
 
     def __init__(self, plan, device_values: dict, total: int, accum: int = 1):
-        spec, dist = plan.opt_spec, plan.dist if plan.dist is not None and plan.dist.sharded else None
+        spec, dist = plan.opt_spec, plan.sharded_dist
         self.total = total = max(int(total), 1)
         self.layout = spec.layout
         self.base = spec.base

@@ -1,10 +1,11 @@
 """The objects the lifecycle events carry: a :class:`RunContext` is what a plugin sees of a
-run; a :class:`StepStretch` is one stretch of read optimizer steps; :class:`run_scoped`
+run; a :class:`StepStretch` is one stretch of read optimizer steps; :func:`run_scoped`
 registers plugins for one run. The events are emitted by :func:`jaxnitro.hookcalls.emit`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -156,20 +157,15 @@ class StepStretch:
             yield step, self.epochs[i], line
 
 
-class run_scoped:
+@contextlib.contextmanager
+def run_scoped(plugins: list):
     """``with run_scoped(objs):`` registers ``objs`` as plugins for the block (a run's loggers)."""
-
-    def __init__(self, plugins: list):
-        self.plugins = plugins
-
-    def __enter__(self):
-        pm = plugin_manager()
-        for p in self.plugins:
-            pm.register(p, name=f"run-scoped-{id(p)}")
-        return self
-
-    def __exit__(self, *exc):
-        pm = plugin_manager()
-        for p in self.plugins:
+    pm = plugin_manager()
+    for p in plugins:
+        pm.register(p, name=f"run-scoped-{id(p)}")
+    try:
+        yield
+    finally:
+        for p in plugins:
             if pm.is_registered(p):
                 pm.unregister(p)

@@ -1,8 +1,7 @@
 """Calls into plugins, all through pluggy, with a record of which plugin answered.
 
-The loop, evaluation and the handle call :func:`emit` (one lifecycle hook, every plugin)
-and :func:`emit_finish` (every plugin, even if one fails) on the process's manager
-(:func:`process_manager`, loaded by the loader :mod:`jaxnitro.plugin_manager` installs).
+Lifecycle events: :func:`emit` (one hook, every plugin) and :func:`emit_finish` (every plugin,
+even if one fails), on the process's manager (:func:`process_manager`).
 Every hook call goes through ``pm.hook.<name>(...)``, so pluggy's ``tryfirst``,
 ``trylast``, ``wrapper=True`` and ``hookwrapper=True`` work for every hook. What pluggy
 does not say is *who* answered a ``firstresult`` hook, nor which plugin returned each
@@ -15,7 +14,7 @@ hook (:func:`observed_hook`: every ``firstresult`` extension hook, ``jaxnitro_ex
 instead, so pluggy goes on to the next plugin). Outside a :func:`call` the wrapped
 function behaves exactly as the plugin's own.
 
-:func:`first_answer` records each answer to a ``firstresult`` hook as an
+:func:`first_result` records each answer to a ``firstresult`` hook as an
 :class:`Answer`: process-wide (the latest per question, :func:`latest_answers`, shown by
 ``jn.plugins_info()``) and for the handle being set up or run (:func:`recording`,
 :func:`answers_for`, shown by ``print(nitro)``; :func:`knob_owner` reads which plugin
@@ -47,9 +46,8 @@ __all__ = [
     "call",
     "emit",
     "emit_finish",
-    "first_answer",
+    "first_result",
     "forget_answers",
-    "install_loader",
     "knob_owner",
     "latest_answers",
     "observed_hook",
@@ -170,6 +168,9 @@ def _observed(impl, hook: str):
 class Manager(pluggy.PluginManager):
     """pluggy's manager; registering a plugin wraps its implementations of the observed hooks."""
 
+    loader = None  # () -> Manager: the discovery (jaxnitro.plugin_manager._load)
+    process = None  # the process-wide manager (process_manager)
+
     def register(self, plugin, name: str | None = None) -> str | None:
         registered = super().register(plugin, name)
         if registered is None:
@@ -207,20 +208,12 @@ def call(pm: pluggy.PluginManager, hook: str, kwargs: dict, *, guard: bool = Fal
     return result, frame
 
 
-_PROCESS: dict = {"pm": None, "load": None}  # the process-wide manager and its loader
-
-
-def install_loader(load) -> None:
-    """``load() -> Manager`` makes the process-wide manager on first use: the discovery
-    (:mod:`jaxnitro.plugin_manager`, which installs it when imported) lives there, the calls here."""
-    _PROCESS["load"] = load
-
-
 def process_manager() -> Manager:
-    """The process-wide manager of entry-point plugins, loaded on first use."""
-    if _PROCESS["pm"] is None:
-        _PROCESS["pm"] = _PROCESS["load"]()
-    return _PROCESS["pm"]
+    """The process-wide manager of entry-point plugins, made on first use by ``Manager.loader``
+    (the discovery, which :mod:`jaxnitro.plugin_manager` sets there when imported)."""
+    if Manager.process is None:
+        Manager.process = Manager.loader()
+    return Manager.process
 
 
 def emit(hook: str, **kwargs) -> None:
@@ -232,9 +225,8 @@ def emit_finish(run: RunContext, status: str) -> None:
     """``jaxnitro_run_ending``, then ``jaxnitro_run_finish``, on every plugin, through pluggy,
     each implementation called even if another raised.
 
-    Guarded calls (:func:`call`): pluggy's order, ``tryfirst``/``trylast``
-    and wrappers as for any hook, and an implementation that raises is noted and skipped, so
-    the next one still runs (a ``wrapper=True`` implementation sees the call end normally).
+    Guarded calls (:func:`call`; wrappers, ``tryfirst``/``trylast`` as for any hook): an
+    implementation that raises is noted and skipped, and the next one runs.
 
     ``jaxnitro_run_ending`` is where a plugin's last work that can fail is done (the
     checkpointer's final saves). With status ``"done"`` an error there fails the run:
@@ -276,18 +268,20 @@ def _module_of(plugin) -> str:
     return getattr(plugin, "__name__", None) or type(plugin).__module__ + "." + type(plugin).__qualname__
 
 
-def first_answer(pm: pluggy.PluginManager, hook: str, kwargs: dict):
-    """Call ``firstresult`` hook ``hook`` through pluggy; record who answered; return the answer."""
-    result, frame = call(pm, hook, kwargs)
+def first_result(hook_name: str, **kwargs):
+    """Call extension hook ``hook_name`` (a ``firstresult`` hook) through pluggy on the process's
+    manager; record who answered; return the answer, or None."""
+    pm = process_manager()
+    result, frame = call(pm, hook_name, kwargs)
     if result is None:
         return None
     impl = frame.results[0][0] if frame.results else None
     wrapped = () if impl is not None and frame.results[0][1] is result else tuple(
-        i.plugin_name for i in getattr(pm.hook, hook).get_hookimpls() if i.wrapper or i.hookwrapper
+        i.plugin_name for i in getattr(pm.hook, hook_name).get_hookimpls() if i.wrapper or i.hookwrapper
     )
     plugin = impl.plugin if impl is not None else None
     answer = Answer(
-        hook, _question(hook, kwargs),
+        hook_name, _question(hook_name, kwargs),
         impl.plugin_name if impl is not None else (wrapped[0] if wrapped else "?"),
         _module_of(plugin) if plugin is not None else "?", wrapped, plugin,
     )
@@ -321,7 +315,7 @@ def latest_answers() -> list[Answer]:
 
 def forget_answers() -> None:
     """Drop the process-wide manager and record: the plugins are reloaded on next use."""
-    _PROCESS["pm"] = None
+    Manager.process = None
     _latest.clear()
 
 

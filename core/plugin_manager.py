@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import pluggy
 
 from . import hookspecs
-from .hookcalls import (Answer, Manager, call, first_answer, forget_answers, install_loader, latest_answers,
-                        process_manager)
+from .hookcalls import Answer, Manager, call, first_result, forget_answers, latest_answers, process_manager
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
 
 __all__ = [
@@ -139,7 +138,7 @@ def _load() -> pluggy.PluginManager:
     return pm
 
 
-install_loader(_load)
+Manager.loader = _load
 plugin_manager = process_manager  # the process-wide manager, loaded on first use by _load
 
 
@@ -202,12 +201,6 @@ def disabled_note() -> str:
     """`` (disabled: a, b)`` for error messages, or an empty string."""
     off = disabled_plugins()
     return f" (plugins disabled by {DISABLE_ENV}: {', '.join(off)})" if off else ""
-
-
-def first_result(hook_name: str, **kwargs):
-    """Call extension hook ``hook_name`` (a firstresult hook) through pluggy and return its
-    answer or None; which plugin answered is recorded (:func:`jaxnitro.hookcalls.first_answer`)."""
-    return first_answer(plugin_manager(), hook_name, kwargs)
 
 
 def policy_answer(hook_name: str, protocol: type, plugin: str, defaults: tuple, instead: str, **kwargs):

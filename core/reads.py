@@ -9,9 +9,8 @@ device mid-epoch. A read emits the steps as a :class:`~jaxnitro.StepStretch`
 history rows whose last step it reached (a row's ``train_loss`` is the mean over its steps;
 ``jaxnitro_row_closed``).
 
-In: the run (its ``run_state`` gives the live epoch), the run's record, the loop's ``accum``,
-the names of the scalars (known once a train program is traced), the step the run starts
-from, and three facts of the plan. Out: rows appended to ``record.rows``;
+In: the run (``run.run_state``: the live epoch), its record, the loop's ``accum``, the names of
+the scalars (known once a train program is traced). Out: rows appended to ``record.rows``;
 :meth:`StepReads.read` returns True on a non-finite loss (``record.diverged_at`` set).
 """
 
@@ -39,11 +38,8 @@ class StepReads:
     - ``row_ends``: ``(epoch, step)`` of rows to close when their step is read;
     - ``values``: the read scalars of the steps after ``row_base`` (the last row's step),
       the open row's.
-
-    ``start``: the step the run starts from; ``manual``: ``train_step`` is the experiment's
-    (every scalar is checked, not only the loss); ``check``: ``check_divergence``;
-    ``validated``: the data has a ``val`` split (the loop emits ``jaxnitro_epoch_end`` then).
-    """
+    - ``start``: the step the run continues from; ``manual``: ``train_step`` is the experiment's (every
+      scalar checked); ``check``: ``check_divergence``; ``validated``: a ``val`` split (the loop emits epoch end)."""
 
     def __init__(self, run, record, accum: int, names, logged_sched: dict, *, start: int, manual: bool,
                  check: bool, validated: bool, read_every: int, max_pending: int):
@@ -99,7 +95,7 @@ class StepReads:
         since, self.t = self.t, now
         check, manual, names = self.check, self.manual, self.names()
         first, rows, epochs, closed, diverged = self.first_unread, [], [], [], False
-        ends, live_epoch = self.epoch_ends, self.run.run_state.state.epoch  # a step past every ended epoch: the live one
+        ends, live_epoch = self.epoch_ends, self.run.run_state.state.epoch  # past every ended epoch: the live one
         for row in values:
             s = self.first_unread
             while ends and ends[0][1] < s:

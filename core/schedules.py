@@ -1,6 +1,4 @@
-"""Schedules: binding keys to optimizer hyperparameters or Device fields, and evaluating them in
-stretches (:class:`ScheduleStream`; the run's per-step table of them is the dispatcher's
-:class:`~jaxnitro.dispatch.StepValues`).
+"""Schedules: binding keys to optimizer hyperparameters or Device fields, and evaluating them in stretches.
 
 ``schedules()`` returns ``{key: factory}``; each factory is called once with the
 run's total number of optimizer steps and returns ``schedule(step) -> value``

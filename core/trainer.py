@@ -213,7 +213,7 @@ class _Run:
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
         self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1), accum)
         self.validated = "val" in nitro.data
-        dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
+        dist = nitro.plan.sharded_dist
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
         # several processes: every cut is read before the next segment starts, so that what
         # the epoch's end does across processes (checkpoint barriers) happens at the same point

@@ -49,7 +49,7 @@ def test_the_learning_rate_is_kept_once_in_the_optimizer_spec(nitro):
 
 
 def test_the_step_values_are_the_runs_per_step_inputs(nitro):
-    assert StepValues.__module__ == "jaxnitro.dispatch" and trainer.StepValues is dispatch.StepValues  # beside its reader
+    assert StepValues.__module__ == "jaxnitro.dispatch" and trainer.StepValues is dispatch.StepValues
     steps = StepValues(nitro.plan, nitro.device_values, 10, accum=4)
     assert float(steps.scale) == 0.25  # each micro-batch's weight
     assert steps.dev(3) is nitro.device_values  # held, not copied: nothing is scheduled
