@@ -47,12 +47,6 @@ def stages_on_device() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def _dist(plan):
-    """The plan's :class:`~jaxnitro.distributed.Dist` when it shards, or None (one device, one process)."""
-    dist = plan.dist
-    return dist if dist is not None and dist.sharded else None
-
-
 def make_transfer(plan, hooks, *, on_host: bool = False, width: int | None = None, counter=None, key=None):
     """The staging of one batch, one call per batch: the fields ``hooks`` declare in ``plan``'s
     routes (others never leave the host), sharded over the data mesh on several devices (in a
@@ -62,7 +56,7 @@ def make_transfer(plan, hooks, *, on_host: bool = False, width: int | None = Non
     read every batch), ``counter`` (each micro-batch's ``KEY_COUNT``) and ``key`` (the run's
     ``KEY_DATA``; None when a block carries it once)."""
     fields = _device_fields(plan.routes, hooks)
-    dist = _dist(plan)
+    dist = plan.sharded_dist
     if on_host or (dist is None and not stages_on_device()):
         put = None
     else:
@@ -115,7 +109,7 @@ def _width_for(plan, n: int, what: str) -> int:
     if n == 0:
         raise ValueError(f"jaxnitro: {what} has no rows; pass a batch with at least one row.")
     if plan.width is None:  # on several devices: a multiple of their count
-        dist = _dist(plan)
+        dist = plan.sharded_dist
         return dist.pad_width(n) if dist is not None else n
     if n > plan.width:
         raise ValueError(
@@ -156,7 +150,7 @@ def _on_devices(plan, state, device_values: dict):
     runs with; on several devices, this process's devices and its rows of the split."""
     to_device = jax.device_put if stages_on_device() else (lambda b: b)
     params, model_state, dev = state.eval_params, state.model_state, device_values
-    dist = _dist(plan)
+    dist = plan.sharded_dist
     if dist is not None:
         to_device = dist.put_local_batch
         params, model_state, dev = dist.local((params, model_state, dev))
@@ -249,7 +243,7 @@ def evaluate_split(e, plan, state, device_values: dict, source, split: str) -> t
             one.check_first(host_batch, split)
             read = True
         one.add(acc, n, w, host_batch, inputs)
-    acc, read = _merged_across_processes(_dist(plan), acc, read)
+    acc, read = _merged_across_processes(plan.sharded_dist, acc, read)
     if not read:
         warnings.warn(
             f"jaxnitro: the `{split}` split yielded no batches, so it has no metrics (the result is "

@@ -1,28 +1,19 @@
-"""The run's door to the plugins: lifecycle events and the objects they carry.
-
-The loop, evaluation and the handle call :func:`emit` (one lifecycle hook,
-every plugin) and :func:`emit_finish` (every plugin, even if one fails), both
-through pluggy, so ``tryfirst``, ``trylast`` and ``wrapper=True`` work. A
-:class:`RunContext` is what a plugin sees of a run; a :class:`StepStretch`
-is one stretch of read optimizer steps.
+"""The objects the lifecycle events carry: a :class:`RunContext` is what a plugin sees of a
+run; a :class:`StepStretch` is one stretch of read optimizer steps; :func:`run_scoped`
+registers plugins for one run. The events are emitted by :func:`jaxnitro.hookcalls.emit`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import structlog
-
 from .batches import is_sized
-from .hookcalls import call
 from .plugin_manager import plugin_manager
 
-__all__ = ["RunContext", "StepStretch", "emit", "emit_finish", "run_scoped"]
-
-log = structlog.get_logger("jaxnitro")
+__all__ = ["RunContext", "StepStretch", "run_scoped"]
 
 
 @dataclass
@@ -166,57 +157,15 @@ class StepStretch:
             yield step, self.epochs[i], line
 
 
-def emit(hook: str, **kwargs) -> None:
-    """Call lifecycle hook ``hook`` on every plugin (pluggy's order); exceptions propagate."""
-    getattr(plugin_manager().hook, hook)(**kwargs)
-
-
-def emit_finish(run: RunContext, status: str) -> None:
-    """``jaxnitro_run_ending``, then ``jaxnitro_run_finish``, on every plugin, through pluggy,
-    each implementation called even if another raised.
-
-    Guarded calls (:func:`jaxnitro.hookcalls.call`): pluggy's order, ``tryfirst``/``trylast``
-    and wrappers as for any hook, and an implementation that raises is noted and skipped, so
-    the next one still runs (a ``wrapper=True`` implementation sees the call end normally).
-
-    ``jaxnitro_run_ending`` is where a plugin's last work that can fail is done (the
-    checkpointer's final saves). With status ``"done"`` an error there fails the run:
-    ``jaxnitro_run_finish`` then gets status ``"failed"`` (so the loggers' finish line says
-    so) and ``run.error`` is that error. The first error of either call is raised after all
-    were called when the run was ``"done"``; with any other status the run already has its
-    own outcome (or exception), so errors are reported as warnings and never hide it.
-    """
-    pm = plugin_manager()
-    _, ending = call(pm, "jaxnitro_run_ending", {"run": run, "status": status}, guard=True)
-    errors = list(ending.errors)
-    final = status
-    if status == "done" and errors:
-        final, run.error = "failed", errors[0][1]
-    _, finish = call(pm, "jaxnitro_run_finish", {"run": run, "status": final}, guard=True)
-    errors += finish.errors
-    for i, (name, err) in enumerate(errors):
-        if status == "done" and i == 0:
-            continue  # raised below, once every other error is reported
-        log.warning("plugin failed to finish the run", plugin=name, status=final, error=repr(err))
-        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({final}): {err!r}", RuntimeWarning)
-    if status == "done" and errors:
-        raise errors[0][1]
-
-
-class run_scoped:
+@contextlib.contextmanager
+def run_scoped(plugins: list):
     """``with run_scoped(objs):`` registers ``objs`` as plugins for the block (a run's loggers)."""
-
-    def __init__(self, plugins: list):
-        self.plugins = plugins
-
-    def __enter__(self):
-        pm = plugin_manager()
-        for p in self.plugins:
-            pm.register(p, name=f"run-scoped-{id(p)}")
-        return self
-
-    def __exit__(self, *exc):
-        pm = plugin_manager()
-        for p in self.plugins:
+    pm = plugin_manager()
+    for p in plugins:
+        pm.register(p, name=f"run-scoped-{id(p)}")
+    try:
+        yield
+    finally:
+        for p in plugins:
             if pm.is_registered(p):
                 pm.unregister(p)

@@ -98,7 +98,7 @@ def _hypers_and_scale(plan, accum: int, step: int, scheds):
     schedules' row, else ``plan``'s base vector) and ``1/accum``, placed as the loop places them."""
     if scheds is not None:
         return scheds.hypers(step), scheds.scale
-    dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
+    dist = plan.sharded_dist
     scale = jax.device_put(np.float32(1.0 / accum))
     if dist is not None:
         scale = dist.replicate(scale)
@@ -120,11 +120,11 @@ def first_step(plan, settings, state, device_values: dict, train, scheds=None) -
     """The first optimizer step of a handle (its ``plan``, ``settings``, ``state``,
     ``device_values`` and ``train`` split) as the loop will dispatch it.
 
-    ``scheds`` (the run's :class:`~jaxnitro.schedules.StepValues`: hyperparameters, Device
+    ``scheds`` (the run's :class:`~jaxnitro.dispatch.StepValues`: hyperparameters, Device
     values, scale) is the loop's, when it asks; without it the same avals are rebuilt from
     the handle's values.
     """
-    dist = plan.dist if plan.dist is not None and plan.dist.sharded else None
+    dist = plan.sharded_dist
     device = (dist.devices[0] if dist is not None else None) or jax.devices()[0]
     p, s, o = state.leaves()
     batch = _first_batch(plan, train, state.rng)

@@ -22,7 +22,6 @@ from . import knobs as _knobs
 from .sources import batches_of, release_sources
 from .describe import describe
 from .evaluation import FieldReference, evaluate_split, predict_batch
-from .events import emit
 from .history import MetricHistory
 from .inference import export_program, inference_program
 from .interrupts import Preempted, stop_signals
@@ -30,7 +29,7 @@ from .interrupts import check as check_stop
 from .interrupts import consume as consume_stop
 from .knobs import Settings
 from .first_step import first_step, preflight
-from .hookcalls import recording
+from .hookcalls import emit, recording
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
 from .setup import build

@@ -1,5 +1,7 @@
 """Calls into plugins, all through pluggy, with a record of which plugin answered.
 
+Lifecycle events: :func:`emit` (one hook, every plugin) and :func:`emit_finish` (every plugin,
+even if one fails), on the process's manager (:func:`process_manager`).
 Every hook call goes through ``pm.hook.<name>(...)``, so pluggy's ``tryfirst``,
 ``trylast``, ``wrapper=True`` and ``hookwrapper=True`` work for every hook. What pluggy
 does not say is *who* answered a ``firstresult`` hook, nor which plugin returned each
@@ -12,7 +14,7 @@ hook (:func:`observed_hook`: every ``firstresult`` extension hook, ``jaxnitro_ex
 instead, so pluggy goes on to the next plugin). Outside a :func:`call` the wrapped
 function behaves exactly as the plugin's own.
 
-:func:`first_answer` records each answer to a ``firstresult`` hook as an
+:func:`first_result` records each answer to a ``firstresult`` hook as an
 :class:`Answer`: process-wide (the latest per question, :func:`latest_answers`, shown by
 ``jn.plugins_info()``) and for the handle being set up or run (:func:`recording`,
 :func:`answers_for`, shown by ``print(nitro)``; :func:`knob_owner` reads which plugin
@@ -25,11 +27,16 @@ import contextlib
 import contextvars
 import functools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+import structlog
+
+if TYPE_CHECKING:
+    from .events import RunContext
 
 __all__ = [
     "Answer",
@@ -37,13 +44,18 @@ __all__ = [
     "OBSERVED",
     "answers_for",
     "call",
-    "first_answer",
+    "emit",
+    "emit_finish",
+    "first_result",
     "forget_answers",
     "knob_owner",
     "latest_answers",
     "observed_hook",
+    "process_manager",
     "recording",
 ]
+
+log = structlog.get_logger("jaxnitro")
 
 QUESTION_ARGS = {
     "jaxnitro_make_logger": "name",
@@ -156,6 +168,9 @@ def _observed(impl, hook: str):
 class Manager(pluggy.PluginManager):
     """pluggy's manager; registering a plugin wraps its implementations of the observed hooks."""
 
+    loader = None  # () -> Manager: the discovery (jaxnitro.plugin_manager._load)
+    process = None  # the process-wide manager (process_manager)
+
     def register(self, plugin, name: str | None = None) -> str | None:
         registered = super().register(plugin, name)
         if registered is None:
@@ -193,6 +208,50 @@ def call(pm: pluggy.PluginManager, hook: str, kwargs: dict, *, guard: bool = Fal
     return result, frame
 
 
+def process_manager() -> Manager:
+    """The process-wide manager of entry-point plugins, made on first use by ``Manager.loader``
+    (the discovery, which :mod:`jaxnitro.plugin_manager` sets there when imported)."""
+    if Manager.process is None:
+        Manager.process = Manager.loader()
+    return Manager.process
+
+
+def emit(hook: str, **kwargs) -> None:
+    """Call lifecycle hook ``hook`` on every plugin (pluggy's order); exceptions propagate."""
+    getattr(process_manager().hook, hook)(**kwargs)
+
+
+def emit_finish(run: RunContext, status: str) -> None:
+    """``jaxnitro_run_ending``, then ``jaxnitro_run_finish``, on every plugin, through pluggy,
+    each implementation called even if another raised.
+
+    Guarded calls (:func:`call`; wrappers, ``tryfirst``/``trylast`` as for any hook): an
+    implementation that raises is noted and skipped, and the next one runs.
+
+    ``jaxnitro_run_ending`` is where a plugin's last work that can fail is done (the
+    checkpointer's final saves). With status ``"done"`` an error there fails the run:
+    ``jaxnitro_run_finish`` then gets status ``"failed"`` (so the loggers' finish line says
+    so) and ``run.error`` is that error. The first error of either call is raised after all
+    were called when the run was ``"done"``; with any other status the run already has its
+    own outcome (or exception), so errors are reported as warnings and never hide it.
+    """
+    pm = process_manager()
+    _, ending = call(pm, "jaxnitro_run_ending", {"run": run, "status": status}, guard=True)
+    errors = list(ending.errors)
+    final = status
+    if status == "done" and errors:
+        final, run.error = "failed", errors[0][1]
+    _, finish = call(pm, "jaxnitro_run_finish", {"run": run, "status": final}, guard=True)
+    errors += finish.errors
+    for i, (name, err) in enumerate(errors):
+        if status == "done" and i == 0:
+            continue  # raised below, once every other error is reported
+        log.warning("plugin failed to finish the run", plugin=name, status=final, error=repr(err))
+        warnings.warn(f"jaxnitro: plugin `{name}` failed to finish the run ({final}): {err!r}", RuntimeWarning)
+    if status == "done" and errors:
+        raise errors[0][1]
+
+
 # -- who answered ----------------------------------------------------------------------
 
 _latest: dict[tuple[str, str], Answer] = {}
@@ -209,18 +268,20 @@ def _module_of(plugin) -> str:
     return getattr(plugin, "__name__", None) or type(plugin).__module__ + "." + type(plugin).__qualname__
 
 
-def first_answer(pm: pluggy.PluginManager, hook: str, kwargs: dict):
-    """Call ``firstresult`` hook ``hook`` through pluggy; record who answered; return the answer."""
-    result, frame = call(pm, hook, kwargs)
+def first_result(hook_name: str, **kwargs):
+    """Call extension hook ``hook_name`` (a ``firstresult`` hook) through pluggy on the process's
+    manager; record who answered; return the answer, or None."""
+    pm = process_manager()
+    result, frame = call(pm, hook_name, kwargs)
     if result is None:
         return None
     impl = frame.results[0][0] if frame.results else None
     wrapped = () if impl is not None and frame.results[0][1] is result else tuple(
-        i.plugin_name for i in getattr(pm.hook, hook).get_hookimpls() if i.wrapper or i.hookwrapper
+        i.plugin_name for i in getattr(pm.hook, hook_name).get_hookimpls() if i.wrapper or i.hookwrapper
     )
     plugin = impl.plugin if impl is not None else None
     answer = Answer(
-        hook, _question(hook, kwargs),
+        hook_name, _question(hook_name, kwargs),
         impl.plugin_name if impl is not None else (wrapped[0] if wrapped else "?"),
         _module_of(plugin) if plugin is not None else "?", wrapped, plugin,
     )
@@ -253,7 +314,8 @@ def latest_answers() -> list[Answer]:
 
 
 def forget_answers() -> None:
-    """Drop the process-wide record (the plugins were reloaded)."""
+    """Drop the process-wide manager and record: the plugins are reloaded on next use."""
+    Manager.process = None
     _latest.clear()
 
 

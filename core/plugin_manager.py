@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import pluggy
 
 from . import hookspecs
-from .hookcalls import Answer, Manager, call, first_answer, forget_answers, latest_answers
+from .hookcalls import Answer, Manager, call, first_result, forget_answers, latest_answers, process_manager
 from .hookspecs import EXPERIMENT_HOOKS, PROJECT
 
 __all__ = [
@@ -69,9 +69,6 @@ class PluginInfo:
     answered: tuple[str, ...] = ()
     """The extension-hook questions this plugin gave the latest answer to in this process, as
     ``"jaxnitro_make_logger(name='jsonl')"`` (pytest's ``--trace-config`` in spirit)."""
-
-
-_GLOBAL: pluggy.PluginManager | None = None
 
 
 def _disabled_from_env() -> list[str]:
@@ -141,20 +138,14 @@ def _load() -> pluggy.PluginManager:
     return pm
 
 
-def plugin_manager() -> pluggy.PluginManager:
-    """The process-wide manager of entry-point plugins, loaded on first use."""
-    global _GLOBAL
-    if _GLOBAL is None:
-        _GLOBAL = _load()
-    return _GLOBAL
+Manager.loader = _load
+plugin_manager = process_manager  # the process-wide manager, loaded on first use by _load
 
 
 def reload_plugins() -> pluggy.PluginManager:
     """Re-read entry points (after installing a plugin or changing ``JAXNITRO_DISABLE_PLUGINS``)."""
-    global _GLOBAL
-    _GLOBAL = None
     _DIST_NAMES.clear()
-    forget_answers()  # the exports table (jaxnitro.exports) is rebuilt for the new manager
+    forget_answers()  # and the manager; the exports table (jaxnitro.exports) is rebuilt for the new one
     return plugin_manager()
 
 
@@ -210,12 +201,6 @@ def disabled_note() -> str:
     """`` (disabled: a, b)`` for error messages, or an empty string."""
     off = disabled_plugins()
     return f" (plugins disabled by {DISABLE_ENV}: {', '.join(off)})" if off else ""
-
-
-def first_result(hook_name: str, **kwargs):
-    """Call extension hook ``hook_name`` (a firstresult hook) through pluggy and return its
-    answer or None; which plugin answered is recorded (:func:`jaxnitro.hookcalls.first_answer`)."""
-    return first_answer(plugin_manager(), hook_name, kwargs)
 
 
 def policy_answer(hook_name: str, protocol: type, plugin: str, defaults: tuple, instead: str, **kwargs):

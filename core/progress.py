@@ -21,7 +21,7 @@ import contextlib
 import threading
 
 from .contracts import REPORTER_METHODS
-from .events import emit
+from .hookcalls import emit
 from .interrupts import check as check_stop
 from .plugin_manager import disabled_note, first_result
 

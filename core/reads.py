@@ -9,8 +9,8 @@ device mid-epoch. A read emits the steps as a :class:`~jaxnitro.StepStretch`
 history rows whose last step it reached (a row's ``train_loss`` is the mean over its steps;
 ``jaxnitro_row_closed``).
 
-In: the run, the handle, the loop's ``accum``, the names of the scalars (known once a
-train program is traced). Out: rows appended to ``nitro.record.rows``;
+In: the run (``run.run_state``: the live epoch), its record, the loop's ``accum``, the names of
+the scalars (known once a train program is traced). Out: rows appended to ``record.rows``;
 :meth:`StepReads.read` returns True on a non-finite loss (``record.diverged_at`` set).
 """
 
@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from .events import StepStretch, emit
+from .events import StepStretch
+from .hookcalls import emit
 
 __all__ = ["StepReads", "step_scalars"]
 
@@ -37,18 +38,20 @@ class StepReads:
     - ``row_ends``: ``(epoch, step)`` of rows to close when their step is read;
     - ``values``: the read scalars of the steps after ``row_base`` (the last row's step),
       the open row's.
-    """
+    - ``start``: the step the run continues from; ``manual``: ``train_step`` is the experiment's (every
+      scalar checked); ``check``: ``check_divergence``; ``validated``: a ``val`` split (the loop emits epoch end)."""
 
-    def __init__(self, run, nitro, accum: int, names, logged_sched: dict, *, read_every: int, max_pending: int):
-        self.run, self.nitro, self.accum, self.names = run, nitro, accum, names
-        self.logged_sched = logged_sched
+    def __init__(self, run, record, accum: int, names, logged_sched: dict, *, start: int, manual: bool,
+                 check: bool, validated: bool, read_every: int, max_pending: int):
+        self.run, self.record, self.accum, self.names = run, record, accum, names
+        self.logged_sched, self.manual, self.check, self.validated = logged_sched, manual, check, validated
         self.read_every, self.max_pending = read_every, max_pending
         self.pending: list = []
-        self.first_unread = nitro.step + 1
+        self.first_unread = start + 1
         self.epoch_ends: collections.deque = collections.deque()
         self.row_ends: collections.deque = collections.deque()
         self.values: list[list[float]] = []
-        self.row_base = nitro.step
+        self.row_base = start
         self.diverged_names: tuple[str, ...] = ()
         self.t: float | None = None  # the last read, or the dispatch that found the device idle
 
@@ -85,24 +88,21 @@ class StepReads:
     def _process(self, n: int) -> bool:
         """Fetch the oldest ``n`` pending entries; emit them as a stretch; close the rows they
         end. True on a non-finite loss (the steps before it are still emitted)."""
-        nitro = self.nitro
         ready = self.pending[:n]
         del self.pending[:n]  # in place: the dispatcher appends to this same list
         values = step_scalars(ready, self.accum).tolist()
         now = time.perf_counter()
         since, self.t = self.t, now
-        check = nitro.settings.check_divergence
-        names = self.names()
-        manual = "train_step" in nitro.plan.hooks  # the automatic step checks its loss; train_step every scalar
+        check, manual, names = self.check, self.manual, self.names()
         first, rows, epochs, closed, diverged = self.first_unread, [], [], [], False
-        ends = self.epoch_ends
+        ends, live_epoch = self.epoch_ends, self.run.run_state.state.epoch  # past every ended epoch: the live one
         for row in values:
             s = self.first_unread
             while ends and ends[0][1] < s:
                 ends.popleft()
-            epoch = ends[0][0] if ends else nitro.epoch
+            epoch = ends[0][0] if ends else live_epoch
             if check and not (all(map(math.isfinite, row)) if manual else math.isfinite(row[0])):
-                nitro.record.diverged_at = (s, epoch)
+                self.record.diverged_at = (s, epoch)
                 self.diverged_names = tuple(n for n, v in zip(names, row) if not math.isfinite(v))
                 diverged = True
                 break
@@ -124,7 +124,7 @@ class StepReads:
         """The open row's train columns from its read step scalars: ``train_loss`` (the mean
         loss); with ``train_step``, ``train_<name>`` for every scalar it returned."""
         values, names = self.values, self.names()
-        if "train_step" not in self.nitro.plan.hooks:
+        if not self.manual:
             return {"train_loss": float(np.mean([v[0] for v in values])) if values else float("nan")}
         means = np.mean(np.asarray(values, np.float64), axis=0) if values else [float("nan")] * len(names)
         return {f"train_{n}": float(m) for n, m in zip(names, means)}
@@ -133,7 +133,7 @@ class StepReads:
         """Append and return the oldest row to close, all of whose steps have been read."""
         epoch, last = self.row_ends.popleft()
         row = {"epoch": epoch, "step": last, **self.train_columns()}
-        self.nitro.record.rows.append(row)
+        self.record.rows.append(row)
         self.values, self.row_base = [], last
         return row
 
@@ -142,7 +142,7 @@ class StepReads:
         ``jaxnitro_epoch_end`` for a row without validation (a validated row gets it from the
         loop, once its metrics are in the row)."""
         emit("jaxnitro_row_closed", run=self.run, row=row)
-        if "val" not in self.nitro.data:
+        if not self.validated:
             emit("jaxnitro_epoch_end", run=self.run, row=row)
 
 

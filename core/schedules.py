@@ -22,7 +22,6 @@ ambiguity error that shows both qualified forms.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -32,7 +31,7 @@ import numpy as np
 from .optim import HYPERS
 
 __all__ = [
-    "Bindings", "ScheduleLog", "ScheduleStream", "StepValues", "bind_schedules", "materialize",
+    "Bindings", "ScheduleLog", "ScheduleStream", "bind_schedules", "materialize",
     "scheduled_rule_hypers",
 ]
 
@@ -324,7 +323,7 @@ class ScheduleStream:
 def materialize(factory, total: int, name: str) -> np.ndarray:
     """Call ``factory(total)`` and evaluate the schedule at every step ``0 .. total-1`` as
     float32 (the whole horizon, in stretches; see :class:`ScheduleStream`). Training never
-    calls it: :class:`StepValues` evaluates only the stretches it reaches."""
+    calls it: :class:`~jaxnitro.dispatch.StepValues` evaluates only the stretches it reaches."""
     stream = ScheduleStream(factory, total, name)
     return stream.values(0, stream.total)
 
@@ -379,183 +378,3 @@ class ScheduleLog:
 
     def __repr__(self) -> str:
         return f"ScheduleLog({self._total} steps, evaluated in stretches)"
-
-
-class StepValues:
-    """The per-step inputs of a run: the optimizer hyperparameter vector and scheduled Device fields.
-
-    Built once per ``train()`` for a horizon of ``total`` optimizer steps. Each
-    bound schedule's factory is called here, with ``total``, and its first
-    stretch is evaluated (see :class:`ScheduleStream`); later stretches are
-    evaluated when a step first needs them, so the work before the first step
-    does not depend on ``total`` and a run that stops early never evaluates the
-    steps it did not take. Steps are counted from 0; a step past the horizon
-    gets the last step's values.
-
-    * ``scale``: ``1 / accum``, the weight of each micro-batch's gradient;
-    * ``hypers(step)``: one float32 vector (a device constant when no optimizer
-      value is scheduled, on every device of a sharded ``plan.dist``); ``hypers_block(step, k)``: ``[k, n]``;
-    * ``dev(step)``: ``device_values`` (the handle's dict, held: ``nitro.set_device`` writes
-      there) with the scheduled fields replaced; ``dev_block(step, k)``: ``{field: [k, ...]}``;
-      ``device``: the scheduled fields' streams by name;
-    * ``logged``: ``schedule/<group>/<hyper>`` and ``schedule/<field>`` mapped to a
-      :class:`ScheduleLog` for each schedule that varies;
-    * ``evaluated``: the schedule step values computed so far, all schedules together.
-    """
-
-    def __init__(self, plan, device_values: dict, total: int, accum: int = 1):
-        spec, dist = plan.opt_spec, plan.dist if plan.dist is not None and plan.dist.sharded else None
-        self.total = total = max(int(total), 1)
-        self.layout = spec.layout
-        self.base = spec.base
-        self.values = device_values
-        place = jax.device_put if dist is None else (lambda x: dist.replicate(jax.device_put(x)))  # once, not per step
-        self.scale = place(np.float32(1.0 / accum))
-        bindings = plan.bindings
-        self.constant = not bindings.opt
-        self.logged: dict[str, ScheduleLog] = {}
-        self.streams: list[ScheduleStream] = []
-        self.slots: list[tuple[int, ScheduleStream, float]] = []  # (column, stream, multiplier)
-        if self.constant:
-            self.vector = place(self.base)
-        else:
-            bare = {
-                h: self._stream(f, f"opt/{h}") for (g, h), f in bindings.opt.items() if g is None
-            }
-            for i, (group, hyper) in enumerate(self.layout.slots):
-                gspec = next(x for x in spec.groups if x.name == group)
-                if (group, hyper) in bindings.opt:
-                    stream = self._stream(bindings.opt[(group, hyper)], f"opt/{group}/{hyper}")
-                elif hyper in bare:
-                    stream = bare[hyper]
-                else:
-                    continue
-                self.slots.append((i, stream, gspec.ratio if hyper == "learning_rate" else 1.0))
-                if stream.varies and hyper != "weight_decay":
-                    self.logged[f"schedule/{group}/{hyper}"] = ScheduleLog(
-                        lambda s, i=i: float(self.hypers(s)[i]), total
-                    )
-                    if hyper == "learning_rate":
-                        self._log_decay(gspec, i, bindings, varying_rate=True)
-                elif hyper == "weight_decay" and stream.varies:
-                    self._log_decay(gspec, i - 1, bindings, varying_rate=False)
-        self.device: dict[str, ScheduleStream] = {}
-        self.dtypes: dict[str, np.dtype] = {}
-        for name, f in bindings.device.items():
-            stream = self.device[name] = self._stream(f, f"device/{name}")
-            self.dtypes[name] = np.dtype(device_values[name].dtype)
-            if stream.varies:
-                self.logged[f"schedule/{name}"] = ScheduleLog(
-                    lambda s, name=name: float(self._dev_row(name, s)), total
-                )
-        # one table per stretch of `block` steps: [block, n] hyperparameters, [block] per field
-        self.block = min((s.block for s in self.streams), default=BLOCK)
-        self._hyper_tables: dict[int, np.ndarray] = {}
-        self._dev_tables: dict[tuple[str, int], np.ndarray] = {}
-        self._tiled: dict[int, dict] = {}  # k -> the unscheduled Device values, k copies each
-
-    def _log_decay(self, gspec, lr_slot: int, bindings, varying_rate: bool) -> None:
-        """Log ``schedule/<group>/weight_decay``: the decoupled decay as applied at each step,
-        ``learning_rate * weight_decay`` (the fraction of each weight the step removes), which
-        varies when either does. A group without decay (0, unscheduled) logs none.
-
-        ``lr_slot`` is the group's learning-rate slot (its decay's is the next one)."""
-        name = f"schedule/{gspec.name}/weight_decay"
-        wd_scheduled = (gspec.name, "weight_decay") in bindings.opt or (None, "weight_decay") in bindings.opt
-        if name in self.logged or (varying_rate and not wd_scheduled and gspec.weight_decay == 0):
-            return
-        self.logged[name] = ScheduleLog(
-            lambda s: float(np.float32(self.hypers(s)[lr_slot]) * np.float32(self.hypers(s)[lr_slot + 1])),
-            self.total,
-        )
-
-    def _stream(self, factory, name: str) -> ScheduleStream:
-        stream = ScheduleStream(factory, self.total, name)
-        self.streams.append(stream)
-        return stream
-
-    @property
-    def evaluated(self) -> int:
-        return sum(s.evaluated for s in self.streams)
-
-    def _stretch(self, b: int) -> tuple[int, int]:
-        start = b * self.block
-        return start, min(start + self.block, self.total)
-
-    def _hyper_table(self, b: int) -> np.ndarray:
-        table = self._hyper_tables.get(b)
-        if table is None:
-            start, stop = self._stretch(b)
-            table = np.tile(self.base, (stop - start, 1))
-            for i, stream, mult in self.slots:
-                values = stream.values(start, stop)
-                table[:, i] = values * mult if mult != 1.0 else values
-            self._hyper_tables[b] = table
-        return table
-
-    def _dev_table(self, name: str, b: int) -> np.ndarray:
-        table = self._dev_tables.get((name, b))
-        if table is None:
-            start, stop = self._stretch(b)
-            table = self._dev_tables[(name, b)] = self.device[name].values(start, stop).astype(self.dtypes[name])
-        return table
-
-    def _dev_row(self, name: str, step: int):
-        b, i = divmod(min(step, self.total - 1), self.block)
-        return self._dev_table(name, b)[i]
-
-    def hypers(self, step: int):
-        """The hyperparameter vector of ``step``."""
-        if self.constant:
-            return self.vector
-        b, i = divmod(min(step, self.total - 1), self.block)
-        table = self._hyper_tables.get(b)
-        return (table if table is not None else self._hyper_table(b))[i]
-
-    def hypers_block(self, step: int, k: int):
-        """``[k, n]``: the hyperparameter vectors of steps ``step .. step + k - 1``."""
-        if self.constant:
-            blocks = self.__dict__.setdefault("_blocks", {})
-            if k not in blocks:
-                blocks[k] = jax.device_put(np.tile(np.asarray(self.vector), (k, 1)))
-            return blocks[k]
-        b, i = divmod(min(step, self.total - 1), self.block)
-        table = self._hyper_table(b)
-        if i + k <= len(table):
-            return table[i : i + k]
-        return np.stack([self.hypers(s) for s in range(step, step + k)])
-
-    def dev_block(self, step: int, k: int) -> dict:
-        """Every Device value of steps ``step .. step + k - 1``, ``{name: [k, ...]}``, the fixed
-        ones tiled once per ``k``: a per-step (scanned) input, as XLA may hoist a loop-invariant
-        one out of the loop and round differently from the one-step program."""
-        tiled = self._tiled.get(k)
-        if tiled is None:
-            tiled = self._tiled[k] = _tiled({n: v for n, v in self.values.items() if n not in self.device}, k)
-        if not self.device:
-            return tiled
-        out = dict(tiled)
-        for name in self.device:
-            b, i = divmod(min(step, self.total - 1), self.block)
-            table = self._dev_table(name, b)
-            if i + k <= len(table):
-                out[name] = table[i : i + k]
-            else:
-                out[name] = np.asarray([self._dev_row(name, s) for s in range(step, step + k)], self.dtypes[name])
-        return out
-
-    def dev(self, step: int) -> dict:
-        """The Device values of ``step``: the run's, each scheduled field replaced by its value there."""
-        if not self.device:
-            return self.values
-        out = dict(self.values)
-        for name in self.device:
-            out[name] = self._dev_row(name, step)
-        return out
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _tiled(values: dict, k: int) -> dict:
-    """Each value with a leading axis of ``k`` copies (compiled: also for arrays spanning the
-    processes of a multi-process job, which eager operations refuse)."""
-    return {n: jnp.broadcast_to(v, (k,) + v.shape) for n, v in values.items()}

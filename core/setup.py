@@ -24,7 +24,7 @@ from .book import schedule_horizon
 from .batches import is_sized, batch_width, check_train_split, peek, unwrap, wrap_split
 from .defaults import Defaults
 from .distributed import check_batch_divides, check_n_devs, make_dist, split_for_process
-from .events import emit
+from .hookcalls import emit
 from .experiment import fields_of, is_experiment, to_device_value, traced_functions
 from .knobs import Settings
 from .logger import check_logger_knob

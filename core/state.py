@@ -148,6 +148,11 @@ class Plan:
         return None if self.opt_spec is None else self.opt_spec.base_lr
 
     @property
+    def sharded_dist(self):
+        """:attr:`dist` when it shards (several devices or processes), else None."""
+        return self.dist if self.dist is not None and self.dist.sharded else None
+
+    @property
     def memory(self):
         """The memory preflight's answer for these programs (``jaxnitro_preflight``; the
         ``memory_preflight`` plugin's ``MemoryReport``), or None."""

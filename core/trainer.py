@@ -24,9 +24,10 @@ import structlog
 from .batches import unwrap
 from .blocks import ColumnBlocks
 from .book import make_book, schedule_horizon
-from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StreamReader
+from .dispatch import AutoProbe, ColumnReader, Dispatcher, Outcome, StepValues, StreamReader
 from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on_device
-from .events import RunContext, emit, emit_finish, run_scoped
+from .events import RunContext, run_scoped
+from .hookcalls import emit, emit_finish
 from .history import check_monitored_in
 from .interrupts import Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
@@ -40,7 +41,6 @@ from .reads import StepReads, step_scalars
 from .routing import KEY_DATA
 from .position import TrainPosition
 from .run_state import RunState
-from .schedules import StepValues
 from .sources import release_sources
 
 __all__ = ["run_training", "new_run_folder", "hold_run_folder", "READ_EVERY", "step_scalars"]
@@ -213,7 +213,7 @@ class _Run:
         run.horizon = schedule_horizon(nitro.settings, self.steps_per_epoch, nitro.plan.bindings, resumed_meta)
         self.scheds = StepValues(nitro.plan, nitro.device_values, max(run.horizon, 1), accum)
         self.validated = "val" in nitro.data
-        dist = nitro.plan.dist if nitro.plan.dist is not None and nitro.plan.dist.sharded else None
+        dist = nitro.plan.sharded_dist
         self.dist = dist  # n_devs > 1 or several processes: the data mesh (batches sharded on it)
         # several processes: every cut is read before the next segment starts, so that what
         # the epoch's end does across processes (checkpoint barriers) happens at the same point
@@ -233,7 +233,9 @@ class _Run:
             read_every = min(read_every, max(1, CPU_SHARDED_IN_FLIGHT // (2 * self.k)))
             max_pending = min(max_pending, max(2, CPU_SHARDED_IN_FLIGHT // self.k))
         logged = self.scheds.logged if nitro.settings.autolog_schedules else {}
-        self.reads = StepReads(run, nitro, accum, self._aux_names, logged, read_every=read_every, max_pending=max_pending)
+        self.reads = StepReads(run, nitro.record, accum, self._aux_names, logged, start=nitro.step,
+                               manual="train_step" in nitro.plan.hooks, check=nitro.settings.check_divergence,
+                               validated=self.validated, read_every=read_every, max_pending=max_pending)
         run.run_state = self.run_state = RunState(nitro, self.position, self.reads)  # the run's changing state
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 

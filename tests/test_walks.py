@@ -1,7 +1,8 @@
 """How values travel (issue 19, items 1 and 6): the learning rate is read and checked once,
 into the optimizer spec; the run's per-step inputs (hyperparameters and Device values) are one
-object the dispatcher reads; a train batch is staged by one function; the functions below the
-handle take the narrow values they use."""
+object, kept beside the dispatcher that reads it; a train batch is staged by one function, and
+crosses the prefetch plugin in one module; lifecycle events are emitted by the module that calls
+every plugin through pluggy; the functions below the handle take the narrow values they use."""
 
 from __future__ import annotations
 
@@ -9,16 +10,22 @@ import dataclasses
 import itertools
 import os
 
+import threading
+
 import numpy as np
 import pytest
 
 import jaxnitro as jn
+from jaxnitro import dispatch, events, hookcalls, trainer
 from jaxnitro import SourceLengthError
 from jaxnitro.evaluation import make_transfer
 from jaxnitro.first_step import TRAIN_HOOKS
+from jaxnitro.events import run_scoped
 from jaxnitro.knobs import require_monitor_and_val
+from jaxnitro.plugin_manager import plugin_manager, reload_plugins
+from jaxnitro.plugins.prefetch import PrefetchIterator, producers
 from jaxnitro.routing import KEY_COUNT, KEY_DATA
-from jaxnitro.schedules import StepValues
+from jaxnitro.dispatch import StepValues
 from jaxnitro.serial_pass import check_past_end
 from jaxnitro.state import Plan, ResumePoint
 from jaxnitro.trainer import run_folder_of
@@ -42,6 +49,7 @@ def test_the_learning_rate_is_kept_once_in_the_optimizer_spec(nitro):
 
 
 def test_the_step_values_are_the_runs_per_step_inputs(nitro):
+    assert StepValues.__module__ == "jaxnitro.dispatch" and trainer.StepValues is dispatch.StepValues
     steps = StepValues(nitro.plan, nitro.device_values, 10, accum=4)
     assert float(steps.scale) == 0.25  # each micro-batch's weight
     assert steps.dev(3) is nitro.device_values  # held, not copied: nothing is scheduled
@@ -96,3 +104,53 @@ def test_check_past_end_names_the_subject_it_is_given():
                                      "a full batch (4 rows")
     with pytest.raises(SourceLengthError, match=r"^jaxnitro: the `val` split's len\(\) is 3, but batch_at\(3\)"):
         check_past_end(lambda i: batch, 3, 4, "val", 0)
+
+
+def test_lifecycle_events_are_emitted_by_the_module_that_calls_the_plugins(tmp_path):
+    assert not hasattr(events, "emit") and not hasattr(events, "emit_finish")
+    assert trainer.emit is hookcalls.emit and trainer.emit_finish is hookcalls.emit_finish
+    assert hookcalls.process_manager() is plugin_manager()  # emit's manager is the loaded one
+    seen = []
+
+    class Ends:
+        @jn.hookimpl
+        def jaxnitro_epoch_end(self, run, row):
+            seen.append((row["epoch"], row["step"]))
+
+    nitro = jn.Nitro(Tiny(max_epochs=2), data=DATA, run_dir=tmp_path, **QUIET)
+    with run_scoped([Ends()]):
+        nitro.train()
+    per_epoch = len(DATA["train"])
+    assert seen == [(1, per_epoch), (2, 2 * per_epoch)]
+    old = plugin_manager()
+    try:
+        assert reload_plugins() is hookcalls.process_manager() is not old  # reloaded: emit reaches the new one
+    finally:
+        reload_plugins()
+
+
+def test_step_reads_take_the_record_and_the_run_not_the_handle(tmp_path):
+    got = {}
+
+    class Peek:
+        @jn.hookimpl
+        def jaxnitro_epoch_end(self, run, row):
+            reads = run.run_state.reads
+            got.update(nitro=hasattr(reads, "nitro"), record=reads.record is run.nitro.record,
+                       flags=(reads.manual, reads.check, reads.validated), first=reads.first_unread)
+
+    nitro = jn.Nitro(Tiny(max_epochs=1), data=DATA, run_dir=tmp_path, **QUIET)
+    with run_scoped([Peek()]):
+        nitro.train()
+    assert got == dict(nitro=False, record=True, flags=(False, True, True), first=len(DATA["train"]) + 1)
+
+
+def test_the_threaded_pass_is_one_generator_of_the_producers_module():
+    batches = [{"x": np.full((2, 1), i, np.float32)} for i in range(6)]
+    doubled = lambda b: {"x": b["x"] * 2}  # noqa: E731
+    stream = PrefetchIterator(tuple(batches), workers=2, device_batches=1).epoch(0, doubled)
+    assert stream._gen.gi_code is producers.Producers.stream.__code__
+    assert not [t for t in threading.enumerate() if t.name.startswith("jaxnitro-prefetch")]  # nothing before next()
+    assert [float(b["x"][0, 0]) for b in stream] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    serial = PrefetchIterator(tuple(batches), workers=0, device_batches=1).epoch(0, doubled)
+    assert [float(b["x"][0, 0]) for b in serial] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]

@@ -9,8 +9,8 @@ parameters, no threads.
 
 * :mod:`.wrappers`: :class:`PrefetchIterator` (a ``jaxnitro.plugin.SplitWrapper``);
 * :mod:`.workers`: what ``workers=None`` resolves to for a source;
-* :mod:`.producers`: producer threads, bounded slots, ordered delivery, teardown;
-* :mod:`.staging`: transfers staged ahead of delivery;
+* :mod:`.producers`: producer threads, bounded slots, ordered delivery, transfers staged
+  ahead of delivery, teardown;
 * :mod:`.check`: :func:`check_batch_at`, which verifies an index-addressable source.
 
 The source contract, the serial pass, ``NoPrefetch`` and the errors

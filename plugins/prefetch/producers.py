@@ -1,4 +1,5 @@
-"""The threaded host stage: producer threads, bounded slots, delivery, teardown.
+"""Between the source and the epoch stream: producer threads, bounded slots, delivery,
+transfer-ahead staging (:func:`staged`), teardown.
 
 In: a source, an epoch and a worker count. :meth:`Producers.start` calls
 ``begin_epoch(epoch)`` in the caller's thread and starts the threads (named
@@ -11,11 +12,13 @@ failed batch's turn; a ``len()`` that disagrees with the batches is a
 ``SourceLengthError`` at the pass's end (an iterated source's extra batch, an
 addressable one's full batch at ``batch_at(len())``). :meth:`Producers.stop`
 (always call it) stops and joins every thread and drops whatever was produced
-ahead.
+ahead. :meth:`Producers.stream` is the whole threaded pass: started at its first
+``next()``, its items staged, its threads stopped when it ends or is closed.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -26,7 +29,8 @@ from typing import Any
 import structlog
 
 from jaxnitro.plugin import (
-    SourceLengthError, accessors, batch_rows, check_past_end, failure_error, length_of, skipped,
+    PrefetchError, SourceLengthError, accessors, batch_rows, check_past_end, failure_error, length_of, skipped,
+    transferred,
 )
 
 #: Longest time, in seconds, that tearing down an epoch stream waits for a
@@ -94,6 +98,18 @@ class Producers:
         if ordered or workers == 1:
             return _indexed_ordered(self, batch_at, n, epoch, start, split)
         return _indexed_unordered(self, batch_at, n, epoch, start, split)
+
+    def stream(
+        self, source: Any, addressable: bool, epoch: int, workers: int, ordered: bool,
+        transfer: Callable[[Any], Any] | None, depth: int, split: str | None = None, start: int = 0,
+    ) -> Iterator[Any]:
+        """The staged batches of :meth:`start`'s pass (see :func:`staged`); nothing starts
+        before the first ``next()``, and the producers are stopped when it ends or is closed."""
+        try:
+            yield from staged(self.start(source, addressable, epoch, workers, ordered, split, start),
+                              transfer, depth, epoch, split)
+        finally:
+            self.stop()
 
     # -- producers ---------------------------------------------------------
 
@@ -241,3 +257,56 @@ def _iterated(p: Producers, epoch: int, n: int, split: str | None) -> Iterator[t
             raise SourceLengthError(split, n, n + 1, epoch)
         count += 1
         yield item
+
+
+# --------------------------------------------------------------------------
+# staging: transfers applied ahead of delivery
+
+
+def staged(
+    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any] | None, depth: int, epoch: int,
+    split: str | None = None,
+) -> Iterator[Any]:
+    """Apply ``transfer`` ``depth`` batches ahead of delivery to ``(index, batch)`` pairs from
+    either host stage (the producer threads, or the core's serial ``host_items`` for
+    ``workers=0``): an iterator of staged batches, so the host-to-device copy of batch ``k + 1``
+    overlaps step ``k`` (JAX dispatches transfers asynchronously). For ``depth <= 0`` or no
+    ``transfer``, the core's ``transferred`` itself: each batch just before its delivery.
+
+    A failure in ``batch_at``, the source's iterator or ``transfer`` is raised as a
+    ``PrefetchError`` naming the batch, after every batch before it was delivered, whatever
+    the depth."""
+    if transfer is None or depth <= 0:
+        return transferred(items, transfer, epoch, split)
+    return _ahead(items, transfer, depth, epoch, split)
+
+
+def _ahead(
+    items: Iterator[tuple[int, Any]], transfer: Callable[[Any], Any], depth: int, epoch: int,
+    split: str | None,
+) -> Iterator[Any]:
+    ahead: collections.deque = collections.deque()
+    push, pop = ahead.append, ahead.popleft
+    nxt = items.__next__
+    error: PrefetchError | None = None
+    while True:
+        try:
+            i, batch = nxt()
+        except StopIteration:
+            break
+        except PrefetchError as exc:  # the source failed: deliver what is staged first
+            error = exc
+            break
+        try:
+            push(transfer(batch))
+        except Exception as exc:  # noqa: BLE001
+            error = failure_error(i, exc, epoch, "transfer", split)
+            break
+        if len(ahead) > depth:
+            yield pop()
+    # batches already staged were produced and transferred without error: deliver
+    # them, so that a failure surfaces at the same batch whatever device_batches is
+    while ahead:
+        yield pop()
+    if error is not None:
+        raise error

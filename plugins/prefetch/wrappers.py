@@ -34,7 +34,7 @@ A pass over the split runs a two-stage pipeline:
 
 2. **Staging.** ``transfer(batch)`` (typically a host-to-device copy of the
    fields the hooks use) is applied in the consumer's thread, ``device_batches``
-   batches ahead of the one being consumed (:func:`.staging.staged`). JAX
+   batches ahead of the one being consumed (:func:`.producers.staged`). JAX
    dispatches transfers asynchronously, so the copy of the next batch overlaps
    the current step.
 
@@ -60,8 +60,7 @@ import structlog
 
 from jaxnitro.plugin import SplitWrapper, describe_source, host_items
 
-from .producers import Producers
-from .staging import staged
+from .producers import Producers, staged
 from .workers import _default_cpus, default_workers
 
 __all__ = ["PrefetchIterator"]
@@ -205,15 +204,8 @@ class PrefetchIterator(SplitWrapper):
         if self.workers == 0:  # the consumer's thread, transfers staged ahead
             items = host_items(self.source, self.addressable, epoch, self.split, start)
             return staged(items, transfer, self.device_batches, epoch, self.split)
-        return self._threaded(epoch, transfer, start)
-
-    def _threaded(self, epoch: int, transfer: Callable[[Any], Any] | None, start: int = 0) -> Iterator:
-        producers = Producers(self.host_batches)
-        try:
-            items = producers.start(self.source, self.addressable, epoch, self.workers, self.ordered, self.split, start)
-            yield from staged(items, transfer, self.device_batches, epoch, self.split)
-        finally:
-            producers.stop()
+        return Producers(self.host_batches).stream(self.source, self.addressable, epoch, self.workers, self.ordered,
+                                                   transfer, self.device_batches, self.split, start)
 
     def __repr__(self) -> str:
         i = self.info()
