@@ -33,7 +33,8 @@ from .hookcalls import emit, recording
 from .plugin_manager import disabled_note, first_result
 from .progress import SetupSteps
 from .setup import build
-from .state import Plan, RunRecord, TrainState
+from .run_state import RunState
+from .state import Plan, RunRecord
 from .trainer import run_training
 
 __all__ = ["Nitro", "train", "memory_report"]
@@ -85,10 +86,10 @@ class Nitro:
             self.settings: Settings = built.settings
             self.data: dict = built.data
             self.plan: Plan = built.plan
-            self.state: TrainState = built.state
             self.device_values: dict = built.device_values
             self._reference = FieldReference(self.data)  # what predicted batches must look like
             self.record = RunRecord()
+            self.run_state = RunState(built.state, self.record)  # the state training changes
             self._check_plugin_knobs()
             check_stop()  # a Ctrl-C that a hook swallowed still ends setup
             self.record.status = "ready"
@@ -114,6 +115,8 @@ class Nitro:
 
     # -- what the handle holds, by name ----------------------------------------------------
 
+    state = property(lambda self: self.run_state.state, lambda self, new: setattr(self.run_state, "state", new),
+                     doc="The published :class:`~jaxnitro.state.TrainState` (``run_state.state``).")
     params = property(lambda self: self.state.params, doc="The trainable arrays (``eqx.partition``'s array half).")
     model_state = property(lambda self: self.state.model_state, doc="The model state (``eqx.nn.State``) or None.")
     opt_state = property(lambda self: self.state.opt_state, doc="The optimizer state (None without a train split).")

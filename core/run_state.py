@@ -1,7 +1,7 @@
-"""The run's changing state: one object the training loop owns (:class:`RunState`, reached by
-plugins as ``run.run_state``), and its frozen snapshot after one step (:class:`SavedRun`),
-what a checkpoint serializes. :meth:`RunState.start` is the one place a resumed run gets its
-checkpoint's data position and open row back.
+"""A handle's changing state: one object (:class:`RunState`, ``nitro.run_state``) the training
+loop owns during a run (plugins reach it as ``run.run_state``), and its frozen snapshot after
+one step (:class:`SavedRun`), what a checkpoint serializes. :meth:`RunState.start` is the one
+place a resumed run gets its checkpoint's data position and open row back.
 """
 
 from __future__ import annotations
@@ -46,42 +46,42 @@ class SavedRun:
 
 
 class RunState:
-    """One ``train()``'s changing state, owned by the loop: ``nitro`` (its ``state`` and
-    ``record.rows``), ``position`` (:class:`~jaxnitro.position.TrainPosition`) and ``reads``
-    (:class:`~jaxnitro.reads.StepReads`: the open row's read steps, ``values`` after ``row_base``).
-    Nothing here runs per step."""
+    """A handle's changing state, one object: ``state`` (the published :class:`~jaxnitro.state.TrainState`),
+    ``record`` (its ``rows``: the history being built) and, from a ``train()``'s :meth:`begin`, the
+    loop's ``position`` (:class:`~jaxnitro.position.TrainPosition`) and ``reads`` (the open row's read
+    steps, ``values`` after ``row_base``). The handle keeps it for its life (``nitro.state`` reads
+    it); the loop owns it during a run. Nothing here runs per step."""
 
-    def __init__(self, nitro, position, reads):
-        self.nitro, self.position, self.reads = nitro, position, reads
+    def __init__(self, state: TrainState, record):
+        self.state, self.record = state, record
+        self.position = self.reads = None
 
-    @property
-    def state(self):
-        """The published :class:`~jaxnitro.state.TrainState` (the last completed step's)."""
-        return self.nitro.state
+    def begin(self, position, reads) -> "RunState":
+        """A ``train()`` starts: the loop's data position and reads join the state."""
+        self.position, self.reads = position, reads
+        return self
 
     def publish(self, leaves, step: int) -> None:
         """Make the leaves of the last completed optimizer step the published state."""
-        nitro = self.nitro
-        nitro.state = nitro.state.with_leaves(*leaves, step=step, epoch=nitro.epoch)
+        self.state = self.state.with_leaves(*leaves, step=step, epoch=self.state.epoch)
 
-    def start(self, book) -> tuple[int, int]:
-        """``(epoch, steps into it)`` where this ``train()`` starts. A handle resumed at its
-        step (``plan.resumed``) gets its checkpoint's open row and data position back here."""
-        nitro, resumed = self.nitro, self.nitro.plan.resumed
-        position = None
-        if resumed is not None and resumed.step == nitro.step:
+    def start(self, book, resumed) -> tuple[int, int]:
+        """``(epoch, steps into it)`` where this ``train()`` starts. Resumed at this step (``resumed``:
+        the plan's :class:`~jaxnitro.state.ResumePoint`), the checkpoint's open row and position come back."""
+        step, position = self.state.step, None
+        if resumed is not None and resumed.step == step:
             position = resumed.data_position
-            if resumed.open_row and not nitro.record.rows:  # the open row: the scalars of its steps so far
+            if resumed.open_row and not self.record.rows:  # the open row: the scalars of its steps so far
                 self.reads.values = [list(map(float, v)) for v in resumed.open_row]
-                self.reads.row_base = nitro.step - len(resumed.open_row)
-        return self.position.start(book, nitro.step, nitro.epoch, position)
+                self.reads.row_base = step - len(resumed.open_row)
+        return self.position.start(book, step, self.state.epoch, position)
 
     def snapshot(self, state=None) -> SavedRun:
         """The run after ``state.step`` (``state``: the published state, or a copy of it that a
         checkpointer took at its step); made only when asked."""
-        state = self.nitro.state if state is None else state
-        step, rows = int(state.step), self.nitro.record.rows
+        state = self.state if state is None else state
+        step, rows = int(state.step), self.record.rows
         closed = rows[:bisect.bisect_right(rows, step, key=lambda row: row["step"])]  # rows are in step order
         n, values = step - self.reads.row_base, self.reads.values  # the open row's steps up to `step`, if all read
         open_row = values[:n] if 0 <= n <= len(values) else None
-        return SavedRun(state, tuple(closed), self.position.at(step, self.nitro.epoch), open_row)
+        return SavedRun(state, tuple(closed), self.position.at(step, self.state.epoch), open_row)

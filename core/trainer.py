@@ -40,7 +40,6 @@ from .progress import phase_start
 from .reads import StepReads, step_scalars
 from .routing import KEY_DATA
 from .position import TrainPosition
-from .run_state import RunState
 from .sources import release_sources
 
 __all__ = ["run_training", "new_run_folder", "hold_run_folder", "READ_EVERY", "step_scalars"]
@@ -236,7 +235,7 @@ class _Run:
         self.reads = StepReads(run, nitro.record, accum, self._aux_names, logged, start=nitro.step,
                                manual="train_step" in nitro.plan.hooks, check=nitro.settings.check_divergence,
                                validated=self.validated, read_every=read_every, max_pending=max_pending)
-        run.run_state = self.run_state = RunState(nitro, self.position, self.reads)  # the run's changing state
+        run.run_state = self.run_state = nitro.run_state.begin(self.position, self.reads)  # the loop owns it now
         self.deadline = None if nitro.settings.max_time is None else time.monotonic() + nitro.settings.max_time
 
     def _block_program(self):
@@ -245,11 +244,9 @@ class _Run:
 
     def _auto_k(self, dist) -> tuple[int, "AutoProbe | None"]:
         """``steps_per_dispatch="auto"``: ``(k, probe)``. The ``k`` an earlier run of the same
-        programs chose (kept with the block program), else 1 and a probe that measures the step
-        time and chooses (see :class:`~jaxnitro.dispatch.AutoProbe`), when steps are left after
-        its last mark to use the choice (a choice made at the run's last step would leave the
-        block program to compile in the next run). A source without columns (its blocks would
-        be stacked on the host) or a sharded run: 1, no probe."""
+        programs chose (kept with the block program), else 1 and a probe that measures the step time
+        and chooses (:class:`~jaxnitro.dispatch.AutoProbe`) if steps are left after its last mark (else
+        the next run would compile the block). No columns (blocks stacked on the host) or sharded: 1."""
         if dist is not None or not callable(getattr(unwrap(self.train), "columns", None)):
             return 1, None
         chosen = self._block_program().meta.get("auto_k")
@@ -313,7 +310,7 @@ class _Run:
         cuts, by :meth:`stop`."""
         with deferring() as stop:
             nitro, book = self.nitro, self.book
-            epoch, into = self.run_state.start(book)
+            epoch, into = self.run_state.start(book, nitro.plan.resumed)
             while nitro.step < book.total:
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog

@@ -125,3 +125,20 @@ def test_the_snapshot_is_what_orbax_writes_and_a_mid_epoch_resume_from_it_is_bit
     assert_same_state(resumed, straight)
     # epoch 2's row averages steps 4-6 across the cut: the rows are the straight run's
     assert resumed.rows == straight.rows[1:]
+
+
+def test_the_handle_keeps_one_run_state_that_training_changes(tmp_path):
+    """The state lives in the handle's one RunState: `nitro.state` reads it, the loop publishes
+    into it (no copy kept anywhere else), and the same object serves every later train()."""
+    from tiny import tiny_data
+
+    n = jn.Nitro(Tiny(), data=tiny_data(), run_dir=tmp_path, logger=None, **KW)
+    run_state = n.run_state
+    assert run_state.state is n.state and run_state.record is n.record and run_state.position is None
+    n.train()
+    assert n.run_state is run_state and run_state.state is n.state and n.state.step == 12
+    saved = run_state.snapshot()
+    assert saved.step == 12 and saved.rows == tuple(n.rows) and len(saved.rows) == 4
+    assert saved.data_position["epoch"] == 4 and saved.data_position["epoch_complete"] and saved.open_row == []
+    n.state = n.state.replace(epoch=9)  # what the loop does as an epoch begins
+    assert run_state.state.epoch == 9 == n.epoch
