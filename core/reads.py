@@ -48,8 +48,7 @@ class StepReads:
         self.read_every, self.max_pending = read_every, max_pending
         self.pending: list = []
         self.first_unread = start + 1
-        self.epoch_ends: collections.deque = collections.deque()
-        self.row_ends: collections.deque = collections.deque()
+        self.epoch_ends, self.row_ends = collections.deque(), collections.deque()  # (epoch, step) each
         self.values: list[list[float]] = []
         self.row_base = start
         self.diverged_names: tuple[str, ...] = ()
@@ -66,21 +65,21 @@ class StepReads:
 
         ``wait=False``: read the oldest ``read_every`` steps if they have finished
         (or, if the device is ``max_pending`` steps behind, wait for them): the host
-        never blocks mid-epoch. ``wait=True``: read every pending step, processing
-        each finished stretch while the device computes the rest, and polling with
-        short sleeps rather than a blocking read, which on a CPU backend would keep
-        busy a core the computation needs.
-        """
+        never blocks mid-epoch. ``wait=True``: read every pending step, processing each finished
+        stretch while the device computes the rest, polling (a blocking read would keep busy a CPU
+        core the computation needs) with sleeps of a tenth of the wait so far, 0.2 to 5 ms: a long
+        wait (a large model's queued steps) wakes the host rarely."""
         if not wait:
             if not (_is_ready(self.pending[self.read_every - 1]) or len(self.pending) >= self.max_pending):
                 return False
             return self._process(self.read_every)
+        start = time.perf_counter()
         while self.pending:
             pending, done = self.pending, 0
             while done < len(pending) and _is_ready(pending[done]):
                 done += 1
             if done == 0:
-                time.sleep(0.0002)
+                time.sleep(min(max((time.perf_counter() - start) / 10, 0.0002), 0.005))
             elif self._process(done):
                 return True
         return False
