@@ -495,13 +495,13 @@ class _Saver:
         self.monitor = run.monitor
         self.dir = os.path.join(os.path.abspath(run.run_dir), CHECKPOINTS)
         self.folder_id = _identity(run.run_dir)  # a save never recreates a deleted run folder
+        ocp = _ocp()
         exists, dist = os.path.isdir(self.dir), nitro.plan.dist
         if dist is not None and dist.multi_process:  # every process takes the same orbax path
             exists = dist.from_main(exists)
         known = _recorded_metrics(self.dir, self.monitor) if exists else {}  # a continued run folder's
         self.policy = _policy(ckpt.policies(self.monitor, self.validated), self.monitor, known)
         single = not (dist is not None and dist.multi_process)
-        ocp = _ocp()
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self.policy,
             enable_async_checkpointing=False,  # the worker thread is the asynchrony (fewer threads, less CPU)

@@ -348,7 +348,7 @@ class StepValues:
         self.block = min((s.block for s in self.streams), default=BLOCK)
         self._hyper_tables: dict[int, np.ndarray] = {}
         self._dev_tables: dict[tuple[str, int], np.ndarray] = {}
-        self._tiled: dict[int, dict] = {}  # k -> the unscheduled Device values, k copies each
+        self._tiled: dict[int, tuple] = {}  # k -> (the unscheduled Device values, k copies of each)
 
     def _log_decay(self, gspec, lr_slot: int, bindings, varying_rate: bool) -> None:
         """Log ``schedule/<group>/weight_decay``: the decoupled decay as applied at each step,
@@ -423,11 +423,12 @@ class StepValues:
 
     def dev_block(self, step: int, k: int) -> dict:
         """Every Device value of steps ``step .. step + k - 1``, ``{name: [k, ...]}``, the fixed
-        ones tiled once per ``k``: a per-step (scanned) input, as XLA may hoist a loop-invariant
-        one out of the loop and round differently from the one-step program."""
-        tiled = self._tiled.get(k)
-        if tiled is None:
-            tiled = self._tiled[k] = _tiled({n: v for n, v in self.values.items() if n not in self.device}, k)
+        ones tiled per ``k`` (again after a ``set_device``): a per-step (scanned) input, as XLA may
+        hoist a loop-invariant one out of the loop and round differently from the one-step program."""
+        fixed, cached = {n: v for n, v in self.values.items() if n not in self.device}, self._tiled.get(k)
+        if cached is None or any(cached[0].get(n) is not v for n, v in fixed.items()):
+            cached = self._tiled[k] = (fixed, _tiled(fixed, k))
+        tiled = cached[1]
         if not self.device:
             return tiled
         out = dict(tiled)

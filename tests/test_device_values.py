@@ -226,3 +226,29 @@ def test_device_field_whose_default_does_not_convert_is_refused():
 
     with pytest.raises(TypeError, match=r"Device field `temperature` of Tiny"):
         Tiny(temperature={"a": 1})
+
+
+class SetTemperatureAfterEpoch1:
+    """A plugin changing a Device field mid-run (a curriculum), at epoch 1's end."""
+
+    @jn.hookimpl
+    def jaxnitro_epoch_end(self, run, row):
+        if row["epoch"] == 1:
+            run.nitro.set_device(temperature=5.0)
+
+
+def test_set_device_mid_run_reaches_blocks_of_steps_too(tmp_path):
+    """With ``steps_per_dispatch`` > 1 the fixed Device values enter each block tiled ``k``
+    times; a ``set_device`` between blocks is tiled again, so the run is bitwise the one
+    dispatched a step at a time (the tiles were once made per run, and the change was lost)."""
+    from jaxnitro.events import run_scoped
+
+    params = {}
+    for k in (1, 3):
+        n = jn.Nitro(Tiny(max_epochs=2), data=tiny_data(), logger=None, steps_per_dispatch=k, run_dir=tmp_path)
+        with run_scoped([SetTemperatureAfterEpoch1()]):
+            n.train()
+        assert float(n.device_value("temperature")) == 5.0
+        params[k] = jax.tree_util.tree_leaves(n.params)
+    for one, block in zip(params[1], params[3]):
+        np.testing.assert_array_equal(one, block)
