@@ -17,7 +17,13 @@ boundary, and the run's end waiting for the last writes, ``end ms``), with the c
 written and dropped unwritten (queued ones the keep policies would have deleted) per run.
 ``--steps 3000 --repeats 1`` is a quick look; the issue's figure is ``--steps 11000``.
 
-    python bench/checkpoint_steps.py [--steps 3000] [--every 100 1000] [--repeats 3] [--data-dir DIR]
+``--parts`` adds two contenders that take a save apart: ``snapshots`` runs the checkpointer
+with orbax's save skipped (the device snapshot, the record, the queue and the writer thread's
+host copy only), ``record`` saves only the checkpoint's JSON record through orbax (its
+manager and an item, no arrays). Neither writes a usable checkpoint; their shares against
+the full save's say what the arrays cost.
+
+    python bench/checkpoint_steps.py [--steps 3000] [--every 100 1000] [--repeats 3] [--data-dir DIR] [--parts]
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "mnist"))
 sys.path.insert(0, str(ROOT / "bench"))
+
+import jax  # noqa: E402
 
 import jaxnitro as jn  # noqa: E402
 from checkpoint import HookClock, full_size_data  # noqa: E402
@@ -56,6 +64,28 @@ def LoopClock():
     return HookClock(("__init__", "step_boundary", "finish"))
 
 
+class SaveParts:
+    """Switch the checkpointer's ``_Saver.write`` between the full save (``"ckpt"``), none
+    (``"snapshots"``: the host copy only) and the JSON record alone (``"record"``)."""
+
+    def __init__(self):
+        from jaxnitro.checkpointers import orbax as plugin
+
+        self.kind, full = "ckpt", plugin._Saver.write
+        ocp = plugin._ocp()
+
+        def write(saver, item):
+            if self.kind == "ckpt":
+                return full(saver, item)
+            jax.device_get(item.state.params)  # what every save transfers before orbax starts
+            if self.kind == "record":
+                saver.mgr.save(item.step, args=ocp.args.Composite(meta=ocp.args.JsonSave(item.meta)),
+                               metrics=item.metrics, force=True)
+            saver.written += 1
+
+        plugin._Saver.write = write
+
+
 def timed(e, data, run_dir, steps: int, val_every: int, checkpointer) -> tuple[float, float]:
     """``(wall s, process CPU s)`` of one ``train()``."""
     n = jn.Nitro(e, data=data, run_dir=run_dir, logger=None, early_stop=None, max_steps=steps, max_epochs=None,
@@ -71,11 +101,13 @@ def main(argv=None) -> None:
     ap.add_argument("--every", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--parts", action="store_true", help="add the snapshots-only and record-only contenders")
     a = ap.parse_args(argv)
     data = fashion_data(a.data_dir) if a.data_dir else full_size_data()
     e = MnistMLP()
     clock = LoopClock()
-    kinds = ["none", "ckpt"]
+    kinds = ["none", "ckpt"] + (["snapshots", "record"] if a.parts else [])
+    parts = SaveParts()
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.every:  # compile and warm every program (and orbax) once, untimed
             timed(e, data, f"{tmp}/warm", min(a.steps, 2 * n), n, jn.Checkpointer(every_n_steps=n))
@@ -88,8 +120,9 @@ def main(argv=None) -> None:
                 for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                     ckpt = None if kind == "none" else jn.Checkpointer(every_n_steps=n, keep=(jn.Best(2), jn.Last(1)))
                     clock.reset()
+                    parts.kind = kind
                     rows[n][kind].append(timed(e, data, f"{tmp}/{r}-{n}-{kind}", a.steps, n, ckpt))
-                    if ckpt is not None:
+                    if kind == "ckpt":
                         for i, got in enumerate((clock.spent, clock.ending, clock.written, clock.dropped)):
                             loop[n][i] += got
     report(a, rows, loop)
@@ -105,16 +138,22 @@ def report(a, rows: dict, loop: dict) -> None:
           f"{'dropped':>7} | {'share':>6} | {'paired':>6} | {'CPU share':>9} | {'loop ms':>7} | {'end ms':>6} | loop share")
     for n in a.every:
         none = statistics.median(t for t, _ in rows[n]["none"])
-        ckpt = statistics.median(t for t, _ in rows[n]["ckpt"])
-        paired = statistics.median((c - o) / c for (c, _), (o, _) in zip(rows[n]["ckpt"], rows[n]["none"]))
-        none_cpu = statistics.median(c for _, c in rows[n]["none"])
-        ckpt_cpu = statistics.median(c for _, c in rows[n]["ckpt"])
+        ckpt, _ = shares(rows[n], "ckpt")
         spent, ending, written, dropped = (x / a.repeats for x in loop[n])
         print(f"{n:>8} | {none:>9.3f} | {ckpt:>7.3f} | {a.steps // n:>5} | {written:>7.1f} | "
-              f"{dropped:>7.1f} | {(ckpt - none) / ckpt:6.1%} | {paired:6.1%} | "
-              f"{(ckpt_cpu - none_cpu) / ckpt_cpu:9.1%} | {spent * 1e3:>7.0f} | {ending * 1e3:>6.0f} | "
+              f"{dropped:>7.1f} | {shares(rows[n], 'ckpt')[1]} | {spent * 1e3:>7.0f} | {ending * 1e3:>6.0f} | "
               f"{(spent + ending) / ckpt:6.2%}")
+        for kind in ("snapshots", "record"):
+            if kind in rows[n]:
+                t, text = shares(rows[n], kind)
+                print(f"{'':>8} | {kind:>9} | {t:>7.3f} | {'':>5} | {'':>7} | {'':>7} | {text} |")
 
+
+def shares(rows: dict, kind: str) -> tuple[float, str]:
+    """``kind``'s median wall time, and its share, paired share and CPU share against ``none``."""
+    (none, none_cpu), (t, cpu) = ((statistics.median(x) for x in zip(*rows[k])) for k in ("none", kind))
+    paired = statistics.median((c - o) / c for (c, _), (o, _) in zip(rows[kind], rows["none"]))
+    return t, f"{(t - none) / t:6.1%} | {paired:6.1%} | {(cpu - none_cpu) / cpu:9.1%}"
 
 if __name__ == "__main__":
     main()
