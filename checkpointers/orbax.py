@@ -532,6 +532,7 @@ class _Saver:
         size = sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(nitro.state))
         self.max_held = max(MAX_QUEUED, QUEUE_BYTES // max(size, 1))
         self.static = self._static_meta()
+        self.earlier = _earlier_validations(nitro.plan, self.monitor)
 
     def due(self, epoch: int) -> bool:
         """Whether epoch ``epoch``'s end is saved (never with ``every_n_steps``: steps decide)."""
@@ -811,8 +812,35 @@ class _Saver:
             "metrics": jsonable(dict(row), strict=False) if row is not None else None,
             "end": end,
             "progress": {"open_row": saved.open_row if end != "diverged" else None},
+            "validated": self._validated(saved.rows),
             "horizon": self.run.horizon,  # the steps the schedules were planned over
         }
+
+    def _validated(self, rows) -> dict | None:
+        """The monitored metric at every validation up to the step, oldest first (those before a
+        resume point from its checkpoint): ``{"name", "values": [[epoch, value], ...]}``, what
+        a stop policy replays when a run resumes here; None without a ``monitor``."""
+        if self.monitor is None:
+            return None
+        name = self.monitor[0]
+        values = [[r["epoch"], _json_number(r[name])] for r in rows if name in r]
+        return {"name": name, "values": self.earlier + values}
+
+
+def _json_number(value):
+    """A monitored value for JSON: a float, or its name when not finite ("nan", "inf", "-inf");
+    ``float()`` reads either back."""
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+def _earlier_validations(plan, monitor) -> list:
+    """The ``validated`` values recorded by the checkpoint a run resumed from, when it monitored
+    the same metric; else none."""
+    record = (plan.weights_meta or {}).get("validated") if plan.resumed is not None else None
+    if not record or monitor is None or record.get("name") != monitor[0]:
+        return []
+    return [list(v) for v in record["values"]]
 
 
 class _FolderGone(FileNotFoundError):

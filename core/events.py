@@ -109,8 +109,8 @@ class RunContext:
         return len(train) // self.nitro.settings.accum if is_sized(train) else None
 
     def request_stop(self, reason: str) -> None:
-        """Ask the loop to end the run after this epoch, with status ``"done"``; the first
-        request's reason is kept (``nitro.stop_reason``)."""
+        """Ask the loop to end the run after this epoch (at ``jaxnitro_run_start``: before its first
+        step), with status ``"done"``; the first request's reason is kept (``nitro.stop_reason``)."""
         if self.stop_reason is None:
             self.stop_reason = str(reason)
 

@@ -133,7 +133,7 @@ class StepReads:
         epoch, last = self.row_ends.popleft()
         row = {"epoch": epoch, "step": last, **self.train_columns()}
         self.record.rows.append(row)
-        self.values, self.row_base = [], last
+        self.closed, self.values, self.row_base = (self.values, self.row_base), [], last  # closed: for a reopen
         return row
 
     def row_closed(self, row: dict) -> None:

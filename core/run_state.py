@@ -76,6 +76,18 @@ class RunState:
                 self.reads.row_base = step - len(resumed.open_row)
         return self.position.start(book, step, self.state.epoch, position)
 
+    def reopen(self) -> None:
+        """The row just closed stays open: its validation was cut short (a stop during it), so a
+        snapshot records its steps as the open row and a run resumed there validates it."""
+        self.record.rows.pop()
+        self.reads.values, self.reads.row_base = self.reads.closed
+
+    def row_due(self, book, epoch_done: bool) -> bool:
+        """Whether a row should have closed at the resumed step but is open (:meth:`reopen`, or a
+        stop at a cut before it was handled): the loop closes and validates it first."""
+        values, step = self.reads.values, self.state.step
+        return bool(values) and self.reads.row_base + len(values) == step and book.closes_row(step, epoch_done)
+
     def snapshot(self, state=None) -> SavedRun:
         """The run after ``state.step`` (``state``: the published state, or a copy of it that a
         checkpointer took at its step); made only when asked."""

@@ -311,7 +311,13 @@ class _Run:
         with deferring() as stop:
             nitro, book = self.nitro, self.book
             epoch, into = self.run_state.start(book, nitro.plan.resumed)
-            while nitro.step < book.total:
+            if nitro.plan.resumed is not None and self.run_state.row_due(book, into == 0):  # a cut-short validation
+                self.at_cut(epoch - 1 if into == 0 else epoch, nitro.step, into == 0, stop)
+            elif nitro.step >= book.total and nitro.plan.resumed is not None:
+                warnings.warn(f"jaxnitro: nothing to train: this handle resumed at step {nitro.step:,}, which is already "
+                              f"the run's budget ({book.total:,} optimizer steps). To train it longer, resume with a larger "
+                              f"max_epochs or max_steps.", RuntimeWarning, stacklevel=4)
+            while nitro.step < book.total and self.run_ctx.stop_reason is None:  # a run_start hook may stop it
                 nitro.state = nitro.state.replace(epoch=epoch)
                 prog = self.block_prog or self.step_prog
                 phase_start(self.run_ctx, epoch, "train", "compiling train step" if prog.traces == 0 else None)
@@ -323,9 +329,9 @@ class _Run:
                 if outcome is Outcome.DIVERGED:
                     return self.diverged()
                 if outcome is Outcome.EARLY:
-                    nitro.record.stop_reason = self.run_ctx.stop_reason
-                    return "done"
+                    break
                 epoch, into = epoch + 1, 0
+            nitro.record.stop_reason = self.run_ctx.stop_reason
             return "done"
 
     def first_step(self) -> FirstStep:
@@ -518,8 +524,12 @@ class _Run:
         nitro = self.nitro
         forward_compiles = nitro.plan.programs.forward().traces == 0
         phase_start(self.run_ctx, epoch, "validate", "compiling forward" if forward_compiles else None)
-        metrics, nitro.plan = evaluate_split(nitro.experiment, nitro.plan, nitro.state, nitro.device_values,
-                                             nitro.data["val"], "val")
+        try:
+            metrics, nitro.plan = evaluate_split(nitro.experiment, nitro.plan, nitro.state, nitro.device_values,
+                                                 nitro.data["val"], "val")
+        except BaseException:  # a stop (Ctrl-C is immediate here) or an error: not validated, the row stays open
+            self.run_state.reopen()
+            raise
         emit("jaxnitro_split_evaluated", run=self.run_ctx, split="val", metrics=metrics, context="validate")
         nitro.record.rows[-1].update(metrics)
         if nitro.settings.monitor is not None:  # present and one number, before a plugin reads the row

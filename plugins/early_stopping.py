@@ -9,7 +9,9 @@ saying why.
 
 A policy is any object with ``should_stop(epoch, value, mode) -> bool``
 (optionally ``reset()``, called at run start, and ``patience`` for the
-message). This plugin acts only on a value it accepted itself: a policy
+message). A resumed run replays the monitored values its checkpoint recorded
+(``validated``) through ``should_stop`` first, so it stops where the
+uninterrupted run would have. This plugin acts only on a value it accepted itself: a policy
 another plugin took charge of (its ``jaxnitro_accept_knob`` answered first)
 is that plugin's to apply. Host-side: nothing here is part of a compiled
 program.
@@ -105,8 +107,45 @@ def _own_policy(run):
 @hookimpl(trylast=True)
 def jaxnitro_run_start(run):
     policy = _own_policy(run)
-    if policy is not None and callable(getattr(policy, "reset", None)):
+    if policy is None:
+        return
+    if callable(getattr(policy, "reset", None)):
         policy.reset()
+    if run.nitro.plan.resumed is not None:
+        _replay(run, policy)
+
+
+def _replay(run, policy) -> None:
+    """A resumed run: give the policy the monitored values of the validations before the resume
+    point (the checkpoint's record, ``validated``), so it counts as the uninterrupted run did.
+    When they already stop the run (it had stopped early there), the run stops before its first
+    step, with a warning that says how to train it longer. A record without them (another
+    checkpointer's) is warned about: the count then starts again at the resume point."""
+    name, mode = run.monitor
+    plan = run.nitro.plan
+    record = (plan.weights_meta or {}).get("validated")
+    if not record or record.get("name") != name:
+        warnings.warn(
+            f"jaxnitro: the checkpoint this run resumed from ({plan.resumed.path}) does not record "
+            f"{name!r} at the validations before it, so early stopping counts from the resume point "
+            f"(its patience starts again) instead of where the interrupted run was.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    for epoch, value in record["values"]:
+        if policy.should_stop(epoch, float(value), mode):
+            patience = getattr(policy, "patience", "?")
+            run.request_stop(f"early stopping: {name} did not improve for {patience} epochs "
+                             f"(at epoch {epoch}, before the resume point)")
+            warnings.warn(
+                f"jaxnitro: the run resumed from {plan.resumed.path} had already stopped early at "
+                f"epoch {epoch} ({name} did not improve for {patience} epochs): nothing is left to "
+                f"train. To train it longer, resume with early_stop=None or a larger patience.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
 
 
 @hookimpl(trylast=True)

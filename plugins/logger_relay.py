@@ -156,7 +156,7 @@ def jaxnitro_steps_read(run, stretch):
 
 @hookimpl(tryfirst=True)
 def jaxnitro_epoch_trained(run, epoch, step, stats):
-    for relay in _relays(run):
+    for relay in _relays(run) if stats else ():  # none: a resumed run closing the row its checkpoint left open
         relay.call("log_metrics", dict(stats), step=step, epoch=epoch, context="data")
 
 

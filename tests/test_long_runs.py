@@ -82,6 +82,91 @@ def test_early_stopping_counts_validations(tmp_path):
     assert n.step == 9 and len(n.rows) == 3
 
 
+def test_a_resumed_run_stops_early_where_the_uninterrupted_run_did(tmp_path):
+    class Worse(Tiny):
+        def monitor(self):
+            return ("loss", "max")  # the loss falls: every validation after the first is worse
+
+    ckpt = jn.Checkpointer(every_n_steps=3, keep=jn.Last(1), asynchronous=False)
+    kw = dict(max_epochs=None, val_every_n_steps=3, logger=None, checkpointer=ckpt,
+              early_stop=jn.EarlyStopping(patience=3))
+    straight = jn.train(Worse(), run_dir=tmp_path / "a", max_steps=60, **kw)
+    assert straight.step == 12 and "early stopping" in straight.stop_reason  # best at 3, then 6, 9, 12 worse
+    cut = jn.train(Worse(), run_dir=tmp_path / "b", max_steps=9, **kw)  # two worse validations so far
+    resumed = jn.Nitro(Worse(), run_dir=tmp_path / "b", resume="auto", max_steps=60, **kw)
+    resumed.train()
+    assert resumed.step == 12 and [r["step"] for r in resumed.rows] == [12], "the patience went on counting"
+    assert resumed.rows[0] == straight.rows[-1] and cut.stop_reason is None
+    assert_same_state(resumed, straight)
+    # the finished run, resumed: it had stopped early, so nothing is trained, and it says so
+    with pytest.warns(RuntimeWarning, match="had already stopped early at epoch 2.*early_stop=None"):
+        again = jn.Nitro(Worse(), run_dir=tmp_path / "a", resume="auto", max_steps=60, **kw).train()
+    assert again.step == 12 and again.rows == [] and again.status == "done"
+    assert "before the resume point" in again.stop_reason
+    longer = jn.Nitro(Worse(), run_dir=tmp_path / "a", resume="auto", max_steps=18,
+                      **dict(kw, early_stop=jn.EarlyStopping(patience=5))).train()
+    assert [r["step"] for r in longer.rows] == [15, 18]  # a larger patience trains on
+
+
+class _CtrlCWhileValidating:
+    """A val split that presses Ctrl-C (SIGINT to this process) as its ``at``-th batch is read."""
+
+    def __init__(self, batches, at=None):
+        self.batches, self.at, self.reads = batches, at, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.batches[i]
+
+
+@pytest.mark.parametrize("at, knobs", [
+    (5, dict(max_epochs=4)),  # in epoch 2's validation (3 val batches each)
+    (11, dict(max_epochs=None, max_steps=20, val_every_n_steps=4)),  # mid-epoch 3, at step 16
+])
+def test_a_run_stopped_while_validating_resumes_with_that_validation(tmp_path, at, knobs):
+    class Monitored(Tiny):
+        def monitor(self):
+            return ("loss", "min")
+
+    def data(at=None):
+        return dict(tiny_data(), val=_CtrlCWhileValidating(tiny_data()["val"], at))
+
+    every = {"every_n_steps": 4} if "val_every_n_steps" in knobs else {}
+    kw = dict(knobs, logger="jsonl", checkpointer=jn.Checkpointer(keep=jn.Last(1), asynchronous=False, **every))
+    straight = jn.train(Monitored(), data=data(), run_dir=tmp_path / "a", **kw)
+    with pytest.raises(KeyboardInterrupt):
+        jn.train(Monitored(), data=data(at), run_dir=tmp_path / "b", **kw)
+    resumed = jn.Nitro(Monitored(), data=data(), run_dir=tmp_path / "b", resume="auto", **kw)
+    assert resumed.plan.resumed.open_row, "the row whose validation was cut short is still open"
+    resumed.train()
+    assert resumed.rows == straight.rows[-len(resumed.rows):] and resumed.rows[0]["step"] == resumed.plan.resumed.step
+    assert_same_state(resumed, straight)
+
+    def logged(run):
+        lines = jn.read_jsonl(next(Path(run).glob("2*/metrics.jsonl")))
+        return [{k: v for k, v in x.items() if k != "time"} for x in lines if x.get("context") in ("train", "validate")]
+
+    assert logged(tmp_path / "b") == logged(tmp_path / "a"), "every train and validation line once, as uninterrupted"
+    data_lines = [[x["step"] for x in jn.read_jsonl(next(Path(run).glob("2*/metrics.jsonl"))) if x.get("context") == "data"]
+                  for run in (tmp_path / "a", tmp_path / "b")]
+    assert data_lines[0] == data_lines[1], "an epoch's data line once"
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path):
+    ckpt = jn.Checkpointer(keep=jn.Last(1), asynchronous=False)
+    done = jn.train(Tiny(), run_dir=tmp_path, max_epochs=2, logger=None, checkpointer=ckpt)
+    with pytest.warns(RuntimeWarning, match=r"nothing to train: this handle resumed at step 12, which is already "
+                                            r"the run's budget \(12 optimizer steps\).*larger max_epochs or max_steps"):
+        again = jn.Nitro(Tiny(), run_dir=tmp_path, resume="auto", max_epochs=2, logger=None, checkpointer=ckpt).train()
+    assert again.status == "done" and again.step == done.step == 12 and again.rows == []
+    assert_same_state(again, done)
+
+
 def test_checkpoints_every_n_steps_keep_best_and_last_and_resume_mid_epoch(tmp_path):
     ckpt = jn.Checkpointer(every_n_steps=4, keep=(jn.Best(1), jn.Last(2)), asynchronous=False)
 

@@ -266,10 +266,13 @@ def run(args: cli.Invocation, argv: list[str]) -> dict:
     h = nitro.history()  # named `h`, so the table footer's suggestion (`h[12:26]` say) runs as written
     print(h)
     plot = Path(nitro.run_dir) / "history.png"
-    try:
-        h.plot(metrics="all").savefig(plot)  # one axis per metric; the best epoch starred
-    except ImportError as err:  # matplotlib is the `plot` extra
-        plot = f"not drawn: {err}"
+    if not h:  # --resume of a finished run: it trained nothing (a warning says why), no rows to draw
+        plot = "not drawn: this call trained no epoch"
+    else:
+        try:
+            h.plot(metrics="all").savefig(plot)  # one axis per metric; the best epoch starred
+        except ImportError as err:  # matplotlib is the `plot` extra
+            plot = f"not drawn: {err}"
 
     # Evaluate the best checkpoint, not the last epoch's weights: a new handle on the same data
     # (no build_data, nothing compiles) restores the run's best epoch by macro_recall.
