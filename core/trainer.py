@@ -427,6 +427,8 @@ class _Run:
         if (validate or boundary or step >= book.total or self.lockstep) and reads.read(wait=True):
             return Outcome.DIVERGED
         if stop.status is not None:
+            if validate:  # the row closed unvalidated: it stays open, and a run resumed here validates it
+                self.run_state.reopen()
             self.stop()
         if validate:
             with immediate():

@@ -157,6 +157,40 @@ def test_a_run_stopped_while_validating_resumes_with_that_validation(tmp_path, a
     assert data_lines[0] == data_lines[1], "an epoch's data line once"
 
 
+def test_a_run_stopped_at_a_cut_before_its_validation_resumes_with_it(tmp_path):
+    """SIGTERM (deferred while training) honoured at epoch 2's end, after its last step, before
+    its validation: the row stays open and the resumed run validates it first."""
+    from jaxnitro.interrupts import request
+    from jaxnitro.plugin_manager import plugin_manager
+
+    class Monitored(Tiny):
+        def monitor(self):
+            return ("loss", "min")
+
+    class PreemptAtEpochEnd:
+        @jn.hookimpl
+        def jaxnitro_epoch_trained(self, run, epoch, step, stats):
+            if epoch == 2:
+                request.status = "preempted"
+
+    kw = dict(max_epochs=4, logger="jsonl", checkpointer=jn.Checkpointer(keep=jn.Last(1), asynchronous=False))
+    straight = jn.train(Monitored(), run_dir=tmp_path / "a", **kw)
+    plugin_manager().register(PreemptAtEpochEnd(), name="preempt-at-epoch-end")
+    try:
+        with pytest.raises(jn.Preempted):
+            jn.train(Monitored(), run_dir=tmp_path / "b", **kw)
+    finally:
+        plugin_manager().unregister(name="preempt-at-epoch-end")
+    resumed = jn.Nitro(Monitored(), run_dir=tmp_path / "b", resume="auto", **kw)
+    assert resumed.step == 12 and len(resumed.plan.resumed.open_row) == 6
+    resumed.train()
+    assert resumed.rows == straight.rows[1:], "epoch 2's row, validated, then 3 and 4"
+    assert_same_state(resumed, straight)
+    validated = [[x["epoch"] for x in jn.read_jsonl(next(Path(run).glob("2*/metrics.jsonl"))) if x.get("context") == "validate"]
+                 for run in (tmp_path / "a", tmp_path / "b")]
+    assert validated == [[1, 2, 3, 4]] * 2
+
+
 def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path):
     ckpt = jn.Checkpointer(keep=jn.Last(1), asynchronous=False)
     done = jn.train(Tiny(), run_dir=tmp_path, max_epochs=2, logger=None, checkpointer=ckpt)
