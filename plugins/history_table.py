@@ -118,9 +118,12 @@ def _fit(make, run_dir: str | None, width: int | None) -> str:
 
 
 def _title_line(history, shown: int | None = None, width: int | None = None) -> str:
-    """``<title>  (<run dir>, [<shown> of ]<n> epochs[, <planned> planned])``, within ``width``."""
+    """``<title>  (<run dir>, [<shown> of ]<n> epochs[, <planned> planned])``, within ``width``; ``rows``
+    for ``epochs`` when the rows are not one per epoch (validated every N steps)."""
     n = len(history)
-    epochs = "epoch" if n == 1 else "epochs"
+    numbers = [row["epoch"] for row in history]
+    per_epoch = numbers == list(range(numbers[0], numbers[0] + n)) if n else True
+    epochs = ("epoch" if n == 1 else "epochs") if per_epoch else ("row" if n == 1 else "rows")
     thinned = shown is not None and shown < n
     parts = [f"{shown} of {n} {epochs}" if thinned else f"{n} {epochs}"]
     if history.total_epochs is not None:

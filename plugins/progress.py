@@ -47,6 +47,9 @@ __all__ = [
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n:.2f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
 """tqdm ``bar_format`` of :class:`TqdmReporter`: position with two decimals, the run's ETA."""
 
+STEPS_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n:,.0f}/{total:,.0f} [{elapsed}<{remaining}, {rate_fmt}]"
+"""tqdm ``bar_format`` of a step-budgeted run's bar (``unit="step"``): whole steps, thousands separated."""
+
 PHASES_FORMAT = "{desc} [{elapsed}]"
 """tqdm ``bar_format`` for a stretch with no epochs (``total == 0``, setup): the label and the time."""
 
@@ -143,7 +146,7 @@ class TqdmReporter:
             total=total,
             desc=label,
             file=file,
-            bar_format=PHASES_FORMAT if phases else BAR_FORMAT,
+            bar_format=PHASES_FORMAT if phases else STEPS_FORMAT if unit == "step" else BAR_FORMAT,
             unit=unit,
             leave=self.leave,
             disable=False,

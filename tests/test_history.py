@@ -253,6 +253,8 @@ def test_table_marks_best_and_formats_numbers():
                          run_dir="runs/mnist").table(width=100, max_rows=20)
     lines = text.splitlines()
     assert lines[0] == "history of MLP  (runs/mnist, 3 epochs)"
+    by_steps = [dict(r, epoch=e) for r, e in zip(rows, (4, 8, 11))]  # validated every 1,000 steps, not per epoch
+    assert MetricHistory(by_steps, title="history of MLP").table(width=100).splitlines()[0] == "history of MLP  (3 rows)"
     assert lines[1].startswith("┌") and lines[1].endswith("┐")
     assert lines[2].split() == ["│", "epoch", "step", "train_loss", "acc", "lr", "n", "│"]
     rows_text = body(text)

@@ -79,6 +79,17 @@ def test_tqdm_reporter_writes_labels_and_done():
     assert text.endswith("\n")
 
 
+def test_a_step_budgeted_bar_counts_whole_steps():
+    out = io.StringIO()
+    r = TqdmReporter(file=out, mininterval=0.0)
+    r.begin(20_000, "step 0/20,000: train", unit="step")
+    r.update(7_425.0, "step 7,425/20,000: train")
+    r.close("done: 20,000/20,000 steps")
+    text = out.getvalue()
+    assert "7,425/20,000 [" in text and "7425.00" not in text
+    assert text.rstrip("\n").split("\r")[-1].startswith("done: 20,000/20,000 steps")
+
+
 def test_label_change_draws_at_once_position_is_throttled():
     out = io.StringIO()
     r = TqdmReporter(file=out, mininterval=3600.0)
