@@ -136,6 +136,25 @@ class StepReads:
         self.closed, self.values, self.row_base = (self.values, self.row_base), [], last  # closed: for a reopen
         return row
 
+    def resume_row(self, open_row: list, step: int) -> None:
+        """A run resumed at ``step``: its checkpoint's open row (the read scalars of its steps so
+        far, :attr:`jaxnitro.run_state.SavedRun.open_row`) is this run's open row."""
+        self.values, self.row_base = [list(map(float, v)) for v in open_row], step - len(open_row)
+
+    def open_row_at(self, step: int) -> list | None:
+        """The open row's read scalars of its steps up to ``step``; None when not all are read."""
+        n = step - self.row_base
+        return self.values[:n] if 0 <= n <= len(self.values) else None
+
+    def row_open_at(self, step: int) -> bool:
+        """Whether the open row has steps and ends at ``step`` (all of them read)."""
+        return bool(self.values) and self.row_base + len(self.values) == step
+
+    def reopen(self) -> None:
+        """The row just closed is taken back out of the rows and is the open row again."""
+        self.record.rows.pop()
+        self.values, self.row_base = self.closed
+
     def row_closed(self, row: dict) -> None:
         """``jaxnitro_row_closed`` for a row just closed (its steps emitted), then
         ``jaxnitro_epoch_end`` for a row without validation (a validated row gets it from the

@@ -48,9 +48,9 @@ class SavedRun:
 class RunState:
     """A handle's changing state, one object: ``state`` (the published :class:`~jaxnitro.state.TrainState`),
     ``record`` (its ``rows``: the history being built) and, from a ``train()``'s :meth:`begin`, the
-    loop's ``position`` (:class:`~jaxnitro.position.TrainPosition`) and ``reads`` (the open row's read
-    steps, ``values`` after ``row_base``). The handle keeps it for its life (``nitro.state`` reads
-    it); the loop owns it during a run. Nothing here runs per step."""
+    loop's ``position`` (:class:`~jaxnitro.position.TrainPosition`) and ``reads``
+    (:class:`~jaxnitro.reads.StepReads`, which keeps the open row). The handle keeps it for its
+    life (``nitro.state`` reads it); the loop owns it during a run. Nothing here runs per step."""
 
     def __init__(self, state: TrainState, record):
         self.state, self.record = state, record
@@ -71,22 +71,20 @@ class RunState:
         step, position = self.state.step, None
         if resumed is not None and resumed.step == step:
             position = resumed.data_position
-            if resumed.open_row and not self.record.rows:  # the open row: the scalars of its steps so far
-                self.reads.values = [list(map(float, v)) for v in resumed.open_row]
-                self.reads.row_base = step - len(resumed.open_row)
+            if resumed.open_row and not self.record.rows:
+                self.reads.resume_row(resumed.open_row, step)
         return self.position.start(book, step, self.state.epoch, position)
 
     def reopen(self) -> None:
         """The row just closed stays open: its validation was cut short (a stop during it), so a
         snapshot records its steps as the open row and a run resumed there validates it."""
-        self.record.rows.pop()
-        self.reads.values, self.reads.row_base = self.reads.closed
+        self.reads.reopen()
 
     def row_due(self, book, epoch_done: bool) -> bool:
         """Whether a row should have closed at the resumed step but is open (:meth:`reopen`, or a
         stop at a cut before it was handled): the loop closes and validates it first."""
-        values, step = self.reads.values, self.state.step
-        return bool(values) and self.reads.row_base + len(values) == step and book.closes_row(step, epoch_done)
+        step = self.state.step
+        return self.reads.row_open_at(step) and book.closes_row(step, epoch_done)
 
     def snapshot(self, state=None) -> SavedRun:
         """The run after ``state.step`` (``state``: the published state, or a copy of it that a
@@ -94,6 +92,4 @@ class RunState:
         state = self.state if state is None else state
         step, rows = int(state.step), self.record.rows
         closed = rows[:bisect.bisect_right(rows, step, key=lambda row: row["step"])]  # rows are in step order
-        n, values = step - self.reads.row_base, self.reads.values  # the open row's steps up to `step`, if all read
-        open_row = values[:n] if 0 <= n <= len(values) else None
-        return SavedRun(state, tuple(closed), self.position.at(step, self.state.epoch), open_row)
+        return SavedRun(state, tuple(closed), self.position.at(step, self.state.epoch), self.reads.open_row_at(step))
