@@ -108,6 +108,24 @@ def test_a_resumed_run_stops_early_where_the_uninterrupted_run_did(tmp_path):
     assert [r["step"] for r in longer.rows] == [15, 18]  # a larger patience trains on
 
 
+def test_early_stopping_warns_when_a_checkpoint_does_not_record_the_earlier_validations(tmp_path, monkeypatch):
+    from jaxnitro.checkpointers import orbax as saver
+
+    class Monitored(Tiny):
+        def monitor(self):
+            return ("loss", "min")
+
+    kw = dict(max_epochs=None, val_every_n_steps=3, logger=None, early_stop=jn.EarlyStopping(patience=3),
+              checkpointer=jn.Checkpointer(every_n_steps=3, keep=jn.Last(1), asynchronous=False))
+    monkeypatch.setattr(saver._Saver, "_validated", lambda self, rows: None)  # as a checkpoint from before the record
+    jn.train(Monitored(), run_dir=tmp_path, max_steps=6, **kw)
+    monkeypatch.undo()
+    resumed = jn.Nitro(Monitored(), run_dir=tmp_path, resume="auto", max_steps=9, **kw)
+    with pytest.warns(RuntimeWarning, match=r"does not record 'loss' at the validations before it.*patience starts again"):
+        resumed.train()
+    assert resumed.step == 9
+
+
 class _CtrlCWhileValidating:
     """A val split that presses Ctrl-C (SIGINT to this process) as its ``at``-th batch is read."""
 
