@@ -818,12 +818,12 @@ class _Saver:
 
     def _validated(self, rows) -> dict | None:
         """The monitored metric at every validation up to the step, oldest first (those before a
-        resume point from its checkpoint): ``{"name", "values": [[epoch, value], ...]}``, what
+        resume point from its checkpoint): ``{"name", "values": [[epoch, value, step], ...]}``, what
         a stop policy replays when a run resumes here; None without a ``monitor``."""
         if self.monitor is None:
             return None
         name = self.monitor[0]
-        values = [[r["epoch"], _json_number(r[name])] for r in rows if name in r]
+        values = [[r["epoch"], _json_number(r[name]), r["step"]] for r in rows if name in r]
         return {"name": name, "values": self.earlier + values}
 
 

@@ -31,7 +31,8 @@ __all__ = ["EarlyStopping"]
 
 @attrs.define
 class EarlyStopping:
-    """Stop when the monitored metric has not improved for ``patience`` validated epochs.
+    """Stop when the monitored metric has not improved for ``patience`` validations (validated
+    epochs, or the validations every ``val_every_n_steps`` steps).
 
     An improvement is a value better than the best so far by more than
     ``min_delta`` in the monitor's direction (``"max"`` or ``"min"``), by
@@ -51,8 +52,8 @@ class EarlyStopping:
         p, d = self.patience, self.min_delta
         if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 1:
             raise ValueError(
-                f"jaxnitro: EarlyStopping(patience={p!r}): patience is a whole number of validated "
-                f"epochs >= 1 (e.g. patience=5)."
+                f"jaxnitro: EarlyStopping(patience={p!r}): patience is a whole number of validations "
+                f"(epochs, or validations every val_every_n_steps) >= 1 (e.g. patience=5)."
             )
         if isinstance(d, bool) or not isinstance(d, numbers.Real) or not math.isfinite(d) or d < 0:
             raise ValueError(
@@ -133,19 +134,32 @@ def _replay(run, policy) -> None:
             stacklevel=2,
         )
         return
-    for epoch, value in record["values"]:
+    for epoch, value, *step in record["values"]:  # [epoch, value, step] ([epoch, value] in older records)
         if policy.should_stop(epoch, float(value), mode):
-            patience = getattr(policy, "patience", "?")
-            run.request_stop(f"early stopping: {name} did not improve for {patience} epochs "
-                             f"(at epoch {epoch}, before the resume point)")
+            where, count = _where(run, epoch, step[0] if step else None), _counted(run, policy)
+            run.request_stop(f"early stopping: {name} did not improve for {count} "
+                             f"(at {where}, before the resume point)")
             warnings.warn(
                 f"jaxnitro: the run resumed from {plan.resumed.path} had already stopped early at "
-                f"epoch {epoch} ({name} did not improve for {patience} epochs): nothing is left to "
+                f"{where} ({name} did not improve for {count}): nothing is left to "
                 f"train. To train it longer, resume with early_stop=None or a larger patience.",
                 RuntimeWarning,
                 stacklevel=2,
             )
             return
+
+
+def _counted(run, policy) -> str:
+    """What the policy's ``patience`` counted: ``"5 epochs"``, or ``"5 validations (one every
+    1,000 steps)"`` when rows follow ``val_every_n_steps``."""
+    patience, every = getattr(policy, "patience", "?"), run.settings.val_every_n_steps
+    return f"{patience} validations (one every {every:,} steps)" if every else f"{patience} epochs"
+
+
+def _where(run, epoch: int, step: int | None) -> str:
+    """Where a validation was: ``"epoch 4"``, or ``"step 3,000"`` when rows follow
+    ``val_every_n_steps`` (and the step is known)."""
+    return f"step {step:,}" if run.settings.val_every_n_steps and step is not None else f"epoch {epoch}"
 
 
 @hookimpl(trylast=True)
@@ -156,19 +170,19 @@ def jaxnitro_epoch_end(run, row):
     if got is None:
         return
     name, mode, value = got
-    nan = math.isnan(float(value))
+    nan, where = math.isnan(float(value)), _where(run, row["epoch"], row["step"])
     if nan:
         warnings.warn(
-            f"jaxnitro: the monitored metric {name!r} is NaN at epoch {row['epoch']}; early stopping "
+            f"jaxnitro: the monitored metric {name!r} is NaN at {where}; early stopping "
             f"counts it as no improvement. A NaN metric usually means a count of 0, a log(0), or "
             f"weights that became NaN.",
             RuntimeWarning,
             stacklevel=2,
         )
     if policy.should_stop(row["epoch"], value, mode):
-        patience = getattr(policy, "patience", "?")
+        count = _counted(run, policy)
         why = (
-            f"{name} was NaN at epoch {row['epoch']} (NaN never counts as an improvement), so it did "
-            f"not improve for {patience} epochs" if nan else f"{name} did not improve for {patience} epochs"
+            f"{name} was NaN at {where} (NaN never counts as an improvement), so it did "
+            f"not improve for {count}" if nan else f"{name} did not improve for {count}"
         )
         run.request_stop(f"early stopping: {why}")

@@ -166,7 +166,9 @@ def jaxnitro_epoch_end(run, row):
         return
     inner = policy.early_stop
     if inner is not None and inner.should_stop(row["epoch"], value, mode):
-        run.request_stop(f"early stopping: {name} did not improve for {getattr(inner, 'patience', '?')} epochs")
+        every, patience = run.settings.val_every_n_steps, getattr(inner, "patience", "?")
+        count = f"{patience} validations (one every {every:,} steps)" if every else f"{patience} epochs"
+        run.request_stop(f"early stopping: {name} did not improve for {count}")
 
 
 def _host_keys(e, point: Mapping) -> list[str]:

@@ -91,7 +91,8 @@ def test_a_resumed_run_stops_early_where_the_uninterrupted_run_did(tmp_path):
     kw = dict(max_epochs=None, val_every_n_steps=3, logger=None, checkpointer=ckpt,
               early_stop=jn.EarlyStopping(patience=3))
     straight = jn.train(Worse(), run_dir=tmp_path / "a", max_steps=60, **kw)
-    assert straight.step == 12 and "early stopping" in straight.stop_reason  # best at 3, then 6, 9, 12 worse
+    assert straight.step == 12  # best at 3, then 6, 9, 12 worse: patience counts validations, not epochs
+    assert straight.stop_reason == "early stopping: loss did not improve for 3 validations (one every 3 steps)"
     cut = jn.train(Worse(), run_dir=tmp_path / "b", max_steps=9, **kw)  # two worse validations so far
     resumed = jn.Nitro(Worse(), run_dir=tmp_path / "b", resume="auto", max_steps=60, **kw)
     resumed.train()
@@ -99,7 +100,8 @@ def test_a_resumed_run_stops_early_where_the_uninterrupted_run_did(tmp_path):
     assert resumed.rows[0] == straight.rows[-1] and cut.stop_reason is None
     assert_same_state(resumed, straight)
     # the finished run, resumed: it had stopped early, so nothing is trained, and it says so
-    with pytest.warns(RuntimeWarning, match="had already stopped early at epoch 2.*early_stop=None"):
+    with pytest.warns(RuntimeWarning, match=r"had already stopped early at step 12 \(loss did not improve for 3 "
+                                            r"validations \(one every 3 steps\)\).*early_stop=None"):
         again = jn.Nitro(Worse(), run_dir=tmp_path / "a", resume="auto", max_steps=60, **kw).train()
     assert again.step == 12 and again.rows == [] and again.status == "done"
     assert "before the resume point" in again.stop_reason

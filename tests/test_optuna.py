@@ -85,6 +85,11 @@ def test_an_inner_early_stopping_policy_is_asked_after_the_pruner(tmp_path):
     n = jn.train(Stuck(), data=DATA, max_epochs=5, run_dir=tmp_path, logger=None, early_stop=pruning)
     assert n.epoch == 2 and n.stop_reason == "early stopping: loss did not improve for 1 epochs"
     assert not pruning.pruned and len(pruning.reported) == 2
+    # validated every N steps, the patience counts validations, and the reason says so
+    pruning = jn.OptunaPruning(study.ask(), report_step="step", early_stop=jn.EarlyStopping(patience=1))
+    n = jn.train(Stuck(), data=DATA, max_steps=40, max_epochs=None, val_every_n_steps=2, run_dir=tmp_path,
+                 logger=None, early_stop=pruning)
+    assert n.step == 4 and n.stop_reason == "early stopping: loss did not improve for 1 validations (one every 2 steps)"
 
 
 def test_a_study_direction_against_the_monitor_is_refused_at_setup(tmp_path):
