@@ -128,6 +128,24 @@ def test_early_stopping_warns_when_a_checkpoint_does_not_record_the_earlier_vali
     assert resumed.step == 9
 
 
+def test_a_record_from_before_the_steps_were_kept_still_replays(tmp_path, monkeypatch):
+    from jaxnitro.checkpointers import orbax as saver
+
+    class Worse(Tiny):
+        def monitor(self):
+            return ("loss", "max")
+
+    full = saver._Saver._validated
+    monkeypatch.setattr(saver._Saver, "_validated",  # as a checkpoint written before 26cc19b: [epoch, value]
+                        lambda self, rows: {**full(self, rows), "values": [v[:2] for v in full(self, rows)["values"]]})
+    kw = dict(max_epochs=None, val_every_n_steps=3, logger=None, early_stop=jn.EarlyStopping(patience=3),
+              checkpointer=jn.Checkpointer(every_n_steps=3, keep=jn.Last(1), asynchronous=False))
+    jn.train(Worse(), run_dir=tmp_path, max_steps=9, **kw)
+    monkeypatch.undo()
+    resumed = jn.Nitro(Worse(), run_dir=tmp_path, resume="auto", max_steps=60, **kw).train()
+    assert resumed.step == 12 and [r["step"] for r in resumed.rows] == [12]  # the count went on
+
+
 class _CtrlCWhileValidating:
     """A val split that presses Ctrl-C (SIGINT to this process) as its ``at``-th batch is read."""
 
