@@ -241,17 +241,19 @@ def _cell(value: Any, column: str, scalar: bool, position: int) -> Any:
 
 
 def _normalized_rows(raw: list[dict[str, Any]], columns: list[str], scalar: dict[str, bool]) -> list[dict[str, Any]]:
-    """Each row with every column (:func:`_cell`); refuses epochs that do not increase."""
+    """Each row with every column (:func:`_cell`); refuses rows out of order: an epoch lower
+    than the row before's, or the same epoch (rows every N steps) without a higher step."""
     normalized: list[dict[str, Any]] = []
-    previous: int | None = None
+    previous: tuple[int, int] | None = None
     for position, r in enumerate(raw):
         out = {c: _cell(r.get(c), c, scalar[c], position) for c in columns}
-        if previous is not None and out["epoch"] <= previous:
+        if previous is not None and (out["epoch"], out["step"]) <= previous:
             raise ValueError(
-                f"MetricHistory: epochs must increase row by row; row {position} has "
-                f"epoch {out['epoch']} after epoch {previous}."
+                f"MetricHistory: rows must be in order, epochs never decreasing and the rows of one "
+                f"epoch with increasing steps; row {position} has epoch {out['epoch']}, step "
+                f"{out['step']} after epoch {previous[0]}, step {previous[1]}."
             )
-        previous = out["epoch"]
+        previous = (out["epoch"], out["step"])
         normalized.append(out)
     return normalized
 
@@ -265,8 +267,9 @@ class MetricHistory:
 
     **Arguments.**
 
-    - ``rows``: one mapping per validated epoch, in epoch order (strictly
-      increasing ``epoch``). Each has ``epoch`` and ``step`` (integers) and
+    - ``rows``: one mapping per validated epoch, or per validation with
+      ``val_every_n_steps`` (several rows of one epoch, keyed by ``step``), in order
+      (``epoch`` never decreasing, ``step`` increasing within an epoch). Each has ``epoch`` and ``step`` (integers) and
       normally ``train_loss`` (float; NaN allowed, missing reads as NaN; a run with
       a ``train_step`` hook has ``train_<name>`` columns instead, and ``train_loss``
       only when the step returns a ``loss``), plus
@@ -684,10 +687,11 @@ class MetricHistory:
         no column selection was made."""
         return self._selected
 
-    def plot(self, *, metrics=None, x: str = "epoch", ax=None, title: str | None = None):
+    def plot(self, *, metrics=None, x: str | None = None, ax=None, title: str | None = None):
         """Plot the history; returns the figure (matplotlib with the built-in ``plot`` plugin).
 
-        Default: the monitored metric over epochs, its best epoch starred; a column
+        Default: the monitored metric over epochs (over steps when an epoch has several rows),
+        its best epoch starred; a column
         selection plots each selected metric; ``metrics="all"`` every scalar one;
         ``x="step"`` the step axis with the per-step train lines; ``ax=`` draws into given
         axes. Raises ``RuntimeError`` if no plugin plots histories.

@@ -359,7 +359,8 @@ def _csv(history, options: dict):
 
 
 def _pandas(history, options: dict):
-    """A ``pandas.DataFrame`` indexed by ``epoch``; array columns are ``object`` columns."""
+    """A ``pandas.DataFrame`` indexed by ``epoch``, or by ``step`` when an epoch has several rows
+    (validated every N steps); array columns are ``object`` columns."""
     try:
         import pandas as pd
     except ImportError as error:
@@ -367,10 +368,12 @@ def _pandas(history, options: dict):
             "MetricHistory.to_pandas() needs pandas, which is not installed; "
             "install it with `pip install pandas` (or use h.to_csv(path) / h.rows)."
         ) from error
-    index = pd.Index(history.column("epoch"), name="epoch")
+    epochs = history.column("epoch")
+    key = "epoch" if len(set(epochs.tolist())) == len(epochs) else "step"
+    index = pd.Index(history.column(key), name=key)
     scalar = set(history.scalar_columns)
     rows = history.rows
-    columns = history.columns[1:]
+    columns = [c for c in history.columns if c != key]
     data: dict[str, Any] = {}
     for c in columns:
         if c in scalar:

@@ -120,13 +120,14 @@ def _axes(ax, n: int):
     return fig, [fig.add_subplot(n, 1, i + 1) for i in range(n)]
 
 
-def plot(history, *, metrics=None, x: str = "epoch", ax=None, title: str | None = None):
+def plot(history, *, metrics=None, x: str | None = None, ax=None, title: str | None = None):
     """Draw ``history``; see the module docstring. Returns the matplotlib ``Figure``.
 
     ``history`` is a :class:`jaxnitro.MetricHistory` or a handle (``jn.plot(nitro)``, as the
     tutorial spells it: the handle's ``history()``). Raises ``TypeError`` for anything else,
     ``ValueError`` for an unknown ``x`` or a wrong number of axes, ``KeyError`` for an unknown
-    metric, ``ValueError`` for an empty history.
+    metric, ``ValueError`` for an empty history. ``x`` defaults to ``"epoch"``, or ``"step"``
+    when an epoch has several rows (validated every N steps).
     """
     history = _history_of(history)
     try:
@@ -135,6 +136,9 @@ def plot(history, *, metrics=None, x: str = "epoch", ax=None, title: str | None 
         raise ImportError(
             "jaxnitro.plot needs matplotlib: pip install 'jaxnitro[plot]' (or matplotlib)."
         ) from err
+    epochs = history.column("epoch").tolist()
+    row = "epoch" if len(set(epochs)) == len(epochs) else "step"  # rows every N steps share epochs
+    x = row if x is None else x
     if x not in ("epoch", "step"):
         raise ValueError(f"jaxnitro.plot: x={x!r}; use 'epoch' or 'step'.")
     if len(history) == 0:
@@ -152,10 +156,10 @@ def plot(history, *, metrics=None, x: str = "epoch", ax=None, title: str | None 
             axis.plot([t["step"] for t in steps], [_number(t[per_step]) for t in steps],
                       lw=0.8, alpha=0.6, label=f"{per_step} (train, per step)")
         ys = history.column(name).astype(float)
-        axis.plot(xs, ys, marker="o", ms=3, label=name if not steps else f"{name} (per epoch)")
+        axis.plot(xs, ys, marker="o", ms=3, label=name if not steps else f"{name} (per {'epoch' if row == 'epoch' else 'validation'})")
         if best is not None and name == monitor:
             axis.plot([float(best[x])], [float(best[name])], marker="*", ms=14, ls="none",
-                      color="gold", markeredgecolor="black", label=f"best (epoch {best['epoch']})")
+                      color="gold", markeredgecolor="black", label=f"best ({row} {best[row]:,})")
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
         if steps or (best is not None and name == monitor):

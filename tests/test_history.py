@@ -84,8 +84,10 @@ def test_numpy_scalars_become_python_scalars():
 def test_constructor_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"row 1 has no `step`"):
         MetricHistory([{"epoch": 1, "step": 1, "train_loss": 0.0}, {"epoch": 2, "train_loss": 0.0}])
-    with pytest.raises(ValueError, match=r"epochs must increase.*row 1 has epoch 1 after epoch 1"):
+    with pytest.raises(ValueError, match=r"rows must be in order.*row 1 has epoch 1, step 1 after epoch 1, step 1"):
         MetricHistory([{"epoch": 1, "step": 1, "train_loss": 0.0}] * 2)
+    with pytest.raises(ValueError, match=r"row 1 has epoch 1, step 9 after epoch 2, step 8"):
+        MetricHistory([{"epoch": 2, "step": 8, "train_loss": 0.0}, {"epoch": 1, "step": 9, "train_loss": 0.0}])
     with pytest.raises(ValueError, match=r"unknown monitor mode 'maximum'.*'max'.*'min'"):
         MetricHistory([], monitor=("acc", "maximum"))
     with pytest.raises(ValueError, match=r"epoch=1.5"):
@@ -226,6 +228,30 @@ def test_ragged_or_missing_arrays_give_object_column():
     col = MetricHistory(rows).pc
     assert col.dtype == object and col.shape == (3,)
     assert col[1].shape == (3,) and col[2] is None
+
+
+def test_several_validations_in_one_epoch(tmp_path):
+    # val_every_n_steps shorter than an epoch: rows share epochs and are keyed by step
+    rows = [{"epoch": e, "step": s, "train_loss": 1.0 / s, "acc": a}
+            for e, s, a in [(1, 4, 0.5), (2, 8, 0.7), (2, 12, 0.6), (3, 14, 0.65)]]
+    h = MetricHistory(rows, monitor=("acc", "max"), title="history of MLP")
+    assert h.best["step"] == 8 and h.best_epoch == 2 and len(h[2:2]) == 2
+    assert [r["step"] for r in h.steps(8, 12)] == [8, 12]
+    assert h.table(width=100).splitlines()[0] == "history of MLP  (4 rows)"
+    pd = pytest.importorskip("pandas")
+    df = h.to_pandas()
+    assert df.index.name == "step" and list(df.index) == [4, 8, 12, 14] and list(df["epoch"]) == [1, 2, 2, 3]
+    assert h[0:1].to_pandas().index.name == "epoch"  # one row an epoch: indexed by epoch, as before
+    assert isinstance(df, pd.DataFrame)
+    pytest.importorskip("matplotlib")
+    drawn = {line.get_label(): line.get_xdata().tolist() for line in h.plot().axes[0].lines}
+    assert drawn == {"acc": [4, 8, 12, 14], "best (step 8)": [8]}  # over steps, not stacked on epoch 2
+    # and the handle's history of such a run (it raised "epochs must increase")
+    import jaxnitro as jn
+    from tiny import Tiny
+
+    n = jn.train(Tiny(), run_dir=tmp_path, max_steps=10, max_epochs=None, val_every_n_steps=4, logger=None)
+    assert [(r["epoch"], r["step"]) for r in n.history()] == [(1, 4), (2, 8), (2, 10)]
 
 
 def test_rows_are_copies():
@@ -370,6 +396,9 @@ def test_to_pandas():
     h = mnist_like(4)
     df = h.to_pandas()
     assert isinstance(df, pd.DataFrame)
+    pytest.importorskip("matplotlib")
+    drawn = {line.get_label(): line.get_xdata().tolist() for line in h.plot().axes[0].lines}
+    assert drawn == {"acc": [4, 8, 12, 14], "best (step 8)": [8]}  # over steps, not stacked on epoch 2
     assert df.index.name == "epoch" and list(df.index) == [1, 2, 3, 4]
     assert list(df.columns) == ["step", "train_loss", "macro_recall", "acc", "confusion"]
     assert df["step"].dtype.kind == "i" and df["acc"].dtype.kind == "f"
