@@ -221,34 +221,28 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
 
 
 def max_time_seconds(value, source: str = "keyword") -> float | None:
-    """``max_time`` in seconds: None, a number of seconds > 0, or a wall-clock string
-    ``"HH:MM:SS"`` / ``"D-HH:MM:SS"`` (Slurm's ``--time`` format; ``"MM:SS"`` too).
+    """``max_time`` in seconds: None, a number of seconds > 0, or a string read as Slurm reads
+    ``--time``: ``"M"``, ``"M:S"``, ``"H:M:S"``, ``"D-H"``, ``"D-H:M"``, ``"D-H:M:S"`` (so ``"45"`` is
+    45 minutes); a minutes or seconds field after the first is below 60.
 
     ``ValueError`` naming the knob, its source and the accepted forms otherwise.
     """
     if value is None:
         return None
-    seconds = None
-    if _is_real(value):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip()
-        days, _, clock = text.rpartition("-") if "-" in text else ("0", "", text)
-        parts = clock.split(":")
-        try:
-            if days.isdigit() and 1 <= len(parts) <= 3 and all(p.strip().isdigit() for p in parts):
-                numbers_ = [int(p) for p in parts]
-                while len(numbers_) < 3:
-                    numbers_.insert(0, 0)
-                h, m, s = numbers_
-                seconds = float(int(days) * 86400 + h * 3600 + m * 60 + s) if m < 60 and s < 60 else None
-        except ValueError:
-            seconds = None
+    seconds = float(value) if _is_real(value) else None
+    if isinstance(value, str):
+        days, dash, clock = value.strip().partition("-") if "-" in value else ("0", "", value.strip())
+        fields = clock.split(":")
+        if days.isdigit() and len(fields) <= 3 and all(f.isdigit() for f in fields):
+            n = [int(f) for f in fields]
+            h, m, s = (n + [0, 0])[:3] if dash else [0, *n, 0] if len(n) == 1 else [0] * (3 - len(n)) + n
+            seconds = float(int(days) * 86400 + h * 3600 + m * 60 + s) if all(f < 60 for f in n[1:]) else None
     if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(
             f"jaxnitro: run knob `max_time` = {value!r} ({source}); give the wall-clock time the run "
-            f"may take: seconds > 0 (e.g. 3600), or \"HH:MM:SS\" / \"D-HH:MM:SS\" (e.g. \"23:30:00\"), "
-            f"or None for no limit."
+            f"may take: seconds > 0 (e.g. 3600), or a string in Slurm's --time forms \"M\", \"M:S\", "
+            f"\"H:M:S\", \"D-H\", \"D-H:M\", \"D-H:M:S\" (e.g. \"23:30:00\"; minutes and seconds "
+            f"after the first field below 60), or None for no limit."
         )
     return seconds
 

@@ -309,16 +309,19 @@ def test_max_time_preempts(tmp_path):
         jn.train(Tiny(), run_dir=tmp_path, max_epochs=100000, max_time=0.5, logger=None)
 
 
-@pytest.mark.parametrize(("value", "seconds"), [("23:30:00", 84600.0), ("1-00:00:10", 86410.0), ("05:00", 300.0), (90, 90.0)])
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("23:30:00", 84600.0), ("1-00:00:10", 86410.0), ("05:00", 300.0), (90, 90.0),
+    # Slurm's other --time forms, read as Slurm reads them (they were read as seconds: "45" was 45 s)
+    ("45", 2700.0), ("90", 5400.0), ("1-12", 129600.0), ("1-12:30", 131400.0), ("2-0:0:5", 172805.0)])
 def test_max_time_forms(value, seconds):
     from jaxnitro.knobs import max_time_seconds
 
     assert max_time_seconds(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["soon", "1:70:00", -5, 0, float("nan")])
+@pytest.mark.parametrize("value", ["soon", "1:70:00", "1-2:3:4:5", "-00:00:01", "1h", "0:00", -5, 0, float("nan")])
 def test_a_bad_max_time_is_refused_naming_the_forms(tmp_path, value):
-    with pytest.raises(ValueError, match=r"max_time.*HH:MM:SS"):
+    with pytest.raises(ValueError, match=r"max_time.*\"M\", \"M:S\", \"H:M:S\", \"D-H\", \"D-H:M\", \"D-H:M:S\""):
         jn.Nitro(Tiny(), run_dir=tmp_path, max_time=value, logger=None)
 
 
