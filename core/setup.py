@@ -140,11 +140,18 @@ def _steps_per_epoch(data: dict, settings: Settings) -> int | None:
     """Optimizer steps per epoch of the train split (None: no train split, or a stream without
     len()); refuses a stream that no ``max_steps`` bounds."""
     spe = len(data["train"]) // settings.accum if "train" in data and is_sized(data["train"]) else None
+    stream = f"the `train` split is a stream without len() ({type(unwrap(data.get('train'))).__name__})"
     if "train" in data and spe is None and settings.max_steps is None:
         raise ValueError(
-            f"jaxnitro: the `train` split is a stream without len() ({type(unwrap(data['train'])).__name__}), "
-            f"so max_epochs cannot bound the run and nothing would end it. Pass `max_steps=N` (the "
-            f"optimizer steps to take), or give the source a __len__."
+            f"jaxnitro: {stream}, so max_epochs cannot bound the run and nothing would end it. Pass "
+            f"`max_steps=N` (the optimizer steps to take), or give the source a __len__."
+        )
+    if "train" in data and spe is None and settings.max_epochs is not None:  # an explicit one: not ignored
+        raise ValueError(
+            f"jaxnitro: max_epochs={settings.max_epochs} ({settings.source('max_epochs')}) cannot bound "
+            f"the run: {stream}, whose epochs' lengths are unknown until each ends, so the schedules "
+            f"could not be planned over them. Pass max_epochs=None (max_steps={settings.max_steps} alone "
+            f"bounds the run), or give the source a __len__ (grain, torch: batches_per_epoch=N)."
         )
     return spe
 

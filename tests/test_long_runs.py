@@ -485,6 +485,10 @@ def test_a_stream_trains_by_steps_like_the_same_batches_with_len(tmp_path, k):
 def test_a_stream_without_max_steps_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"stream without len\(\).*max_steps=N"):
         jn.Nitro(Tiny(), data=_stream_data(), run_dir=tmp_path, logger=None)
+    # an explicit max_epochs beside max_steps was silently ignored (the run went on for max_steps)
+    with pytest.raises(ValueError, match=r"max_epochs=1 \(keyword\) cannot bound the run: the `train` split is a "
+                                         r"stream without len\(\) \(_Stream\).*Pass max_epochs=None \(max_steps=50"):
+        jn.Nitro(Tiny(), data=_stream_data(), run_dir=tmp_path, logger=None, max_steps=50, max_epochs=1)
 
 
 def test_a_one_shot_generator_is_refused_and_an_empty_epoch_too(tmp_path):
@@ -501,7 +505,7 @@ def test_a_one_shot_generator_is_refused_and_an_empty_epoch_too(tmp_path):
             return iter(d["train"] if self.passes <= 2 else [])  # setup reads the first pass
 
     with pytest.raises(ValueError, match=r"yielded no batch in epoch \d.*read\s+again"):
-        jn.train(Tiny(), data={"train": Once()}, run_dir=tmp_path, max_steps=20, logger=None)
+        jn.train(Tiny(), data={"train": Once()}, run_dir=tmp_path, max_steps=20, max_epochs=None, logger=None)
 
 
 def test_a_stream_resumes_mid_epoch_by_reading_again_with_a_warning(tmp_path):
