@@ -70,13 +70,17 @@ class SplitWrapper:
             len(source)
             self.sized = True
         except TypeError:
-            one_shot = hasattr(type(source), "__next__")  # an iterator or generator: one pass only
-            if self.addressable or one_shot:  # batch_at(i) is defined for 0 <= i < len(source)
+            if hasattr(type(source), "__next__"):  # an iterator or generator: one pass only
+                raise TypeError(
+                    f"jaxnitro: {describe(source)} is an iterator, read once: its second epoch would be "
+                    f"empty. A stream without len() (in a run bounded by max_steps) must be an iterable "
+                    f"whose __iter__ starts a new pass each epoch (a class with __iter__, a grain "
+                    f"IterDataset); or pass a list of batches."
+                ) from None
+            if self.addressable:  # batch_at(i) is defined for 0 <= i < len(source)
                 raise TypeError(
                     f"a data source must have len() (the number of batches per epoch); "
                     f"{describe(source)} has none{len_hint}"
-                    + (" (an iterator is read once: a stream without len() must be an iterable "
-                       "whose __iter__ starts a new pass each epoch)" if one_shot else "")
                 ) from None
             self.sized = False  # a stream: an epoch ends when its iterator does
         self.source = source

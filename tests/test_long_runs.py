@@ -493,7 +493,10 @@ def test_a_stream_without_max_steps_is_refused_naming_the_fix(tmp_path):
 
 def test_a_one_shot_generator_is_refused_and_an_empty_epoch_too(tmp_path):
     d = tiny_data()
-    with pytest.raises(TypeError, match=r"an iterator is read once"):
+    # it said "a data source must have len() ... Define __len__ on it", which a generator cannot
+    with pytest.raises(TypeError, match=r"^jaxnitro: .*generator.* is an iterator, read once: its second epoch would be "
+                                        r"empty\. A stream without len\(\) \(in a run bounded by max_steps\) must be "
+                                        r"an iterable whose __iter__ starts a new pass"):
         jn.train(Tiny(), data={"train": (b for b in d["train"])}, run_dir=tmp_path, max_steps=20, logger=None)
 
     class Once:  # iterable, but its second pass is empty
