@@ -138,13 +138,21 @@ def _device_values(e) -> dict:
 
 def _steps_per_epoch(data: dict, settings: Settings) -> int | None:
     """Optimizer steps per epoch of the train split (None: no train split, or a stream without
-    len()); refuses a stream that no ``max_steps`` bounds."""
+    len()); refuses a stream that no ``max_steps`` bounds or that ``max_epochs`` would, and
+    ``val_every_n_steps`` without a ``val`` split."""
     spe = len(data["train"]) // settings.accum if "train" in data and is_sized(data["train"]) else None
     stream = f"the `train` split is a stream without len() ({type(unwrap(data.get('train'))).__name__})"
     if "train" in data and spe is None and settings.max_steps is None:
         raise ValueError(
             f"jaxnitro: {stream}, so max_epochs cannot bound the run and nothing would end it. Pass "
             f"`max_steps=N` (the optimizer steps to take), or give the source a __len__."
+        )
+    if settings.val_every_n_steps is not None and "train" in data and "val" not in data:
+        raise ValueError(
+            f"jaxnitro: val_every_n_steps={settings.val_every_n_steps} "
+            f"({settings.source('val_every_n_steps')}) validates the `val` split every that many steps, "
+            f"but the data has no `val` split (splits: {sorted(data)}). Return one from build_data, "
+            f"or drop val_every_n_steps (per-step train values are logged every log_every_n_steps)."
         )
     if "train" in data and spe is None and settings.max_epochs is not None:  # an explicit one: not ignored
         raise ValueError(

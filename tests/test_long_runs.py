@@ -331,6 +331,14 @@ def test_bad_step_knobs_are_refused(tmp_path, name):
         jn.Nitro(Tiny(), run_dir=tmp_path, logger=None, **{name: 0})
 
 
+def test_val_every_n_steps_without_a_val_split_is_refused(tmp_path):
+    # it trained, closing rows of train_loss alone every N steps, and validated nothing
+    with pytest.raises(ValueError, match=r"val_every_n_steps=4 \(keyword\) validates the `val` split every that many "
+                                         r"steps, but the data has no `val` split \(splits: \['train'\]\)"):
+        jn.Nitro(Tiny(), data={"train": tiny_data()["train"]}, run_dir=tmp_path, logger=None, max_steps=8,
+                 val_every_n_steps=4)
+
+
 # -- SIGKILL mid-run, resume, bitwise --------------------------------------------------------
 
 
