@@ -47,20 +47,23 @@ class CliTiny(Tiny):
 
 @jn.experiment
 class CtrlCTiny(CliTiny):
-    """CliTiny that sends itself SIGINT (a real Ctrl-C, through the signal handler) in its
-    ``interrupt_at``-th ``finalize_metrics`` call of the process."""
+    """CliTiny that sends itself ``signal_name`` (SIGINT: a real Ctrl-C; SIGTERM: a real
+    preemption; through the signal handler) in its ``interrupt_at``-th ``finalize_metrics``
+    call of the process."""
 
     max_epochs: int = 4
     "Epoch budget."
     interrupt_at: int = 2
-    "The finalize_metrics call (1-based, counted per process) during which SIGINT arrives; 0: never."
+    "The finalize_metrics call (1-based, counted per process) during which the signal arrives; 0: never."
+    signal_name: str = "SIGINT"
+    "The signal sent: SIGINT (Ctrl-C) or SIGTERM (a preemption)."
 
     def finalize_metrics(self, acc, split):
         import signal
 
         CtrlCTiny.validations += 1
         if split == "val" and CtrlCTiny.validations == self.interrupt_at:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(getattr(signal, self.signal_name))
         return acc
 
 

@@ -1,9 +1,11 @@
 """The `jaxnitro` command line (plugins/cli): help, refusals, the YAML round trip, the four
-commands, Ctrl-C; in-process through main(argv), and once as the installed console script."""
+commands, Ctrl-C and preemption (SIGTERM, max_time); in-process through main(argv), and as a
+real process (the console script, a SIGTERM)."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +193,80 @@ def test_max_epochs_null_leaves_a_step_budget_alone_and_remat_takes_a_policy_nam
     assert cfg["max_epochs"] is None and cfg["max_steps"] == 9
     rc, again, _ = run_cli(capsys, "train", "--config", str(run / "config.yaml"), "--print_config")
     assert rc == 0 and yaml.safe_load(again)["max_epochs"] is None
+
+
+def test_sigterm_prints_preempted_and_the_command_that_continues_and_exits_143(tmp_path):
+    """A real SIGTERM to a real ``python -m jaxnitro train`` process: one line on stderr saying
+    it was preempted by SIGTERM, the step, and the command that continues it; exit status 143."""
+    spec = f"{HERE / 'cli_experiment.py'}:CtrlCTiny"
+    argv = ["train", spec, "--width", "8", "--signal_name", "SIGTERM", "--run_dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, "-m", "jaxnitro", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("preempted")]
+    assert line.startswith("preempted (SIGTERM) at step ") and "Traceback" not in done.stderr
+    assert line.split("continue with: ", 1)[1] == shlex.join(
+        [sys.executable, "-m", "jaxnitro", *argv, "--resume"])
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert jn.read_jsonl(run / "metrics.jsonl")[-1]["status"] == "preempted"
+
+
+def test_max_time_prints_preempted_and_the_printed_command_continues(capsys, tmp_path):
+    argv = ["train", SPEC, "--width", "8", "--max_epochs", "100000", "--max_time", "2", "--run_dir", str(tmp_path)]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 143
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("preempted")]
+    assert line.startswith("preempted (max_time reached) at step ") and ", epoch " in line
+    command = line.split("continue with: ", 1)[1]
+    assert command == f"jaxnitro train {SPEC} {' '.join(argv[2:])} --resume"
+    rc, out, err = run_cli(capsys, *command.split()[1:])  # the printed command, as given
+    assert rc == 143 and "resumed from checkpoint" in out and "preempted (max_time reached)" in err
+
+
+def test_ctrl_c_with_checkpointer_null_prints_a_command_that_keeps_checkpoints(capsys, tmp_path):
+    spec = f"{HERE / 'cli_experiment.py'}:CtrlCTiny"
+    CtrlCTiny.validations = 0
+    rc, _, err = run_cli(capsys, "train", spec, "--checkpointer", "null", "--width", "8", "--run_dir", str(tmp_path))
+    assert rc == 130
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("interrupted")]
+    assert "no checkpoint to continue from (`--checkpointer null` turned the experiment's checkpointer off)" in line
+    command = line.split("run again without it: ", 1)[1]
+    assert command == f"jaxnitro train {spec} --width 8 --run_dir {tmp_path}"  # no --checkpointer null, no --resume
+    rc, out, _ = run_cli(capsys, *command.split()[1:])
+    assert rc == 0 and "checkpoints/)" in out
+    assert any((p / "checkpoints").is_dir() for p in tmp_path.iterdir())
+
+
+def test_an_experiment_without_a_checkpointer_is_told_what_to_add():
+    from types import SimpleNamespace
+
+    from jaxnitro.plugins.cli import interrupt_line
+    from tiny import Tiny
+
+    nitro = SimpleNamespace(experiment=Tiny(), status="interrupted", step=3, epoch=1, stop_reason=None,
+                            settings=SimpleNamespace(checkpointer=None, max_epochs=2, max_steps=None))
+    line = interrupt_line(nitro, ["jaxnitro"], ["train", "m:Tiny", "--checkpointer", "null"])
+    assert line == ("interrupted at step 3, epoch 1/2; no checkpoint to continue from (the run's checkpointer "
+                    "is None: give the experiment a `checkpointer()` method returning jn.Checkpointer(...)); "
+                    "run again with: jaxnitro train m:Tiny --checkpointer null")
+    line = interrupt_line(nitro, ["jaxnitro"], ["train", "m:Tiny"], preempted=True)
+    assert line.startswith("preempted (SIGTERM) at step 3, epoch 1/2; no checkpoint")
+
+
+def test_an_unknown_split_is_printed_without_quotes(trained, capsys):
+    run_dir, run = trained
+    rc, out, err = run_cli(capsys, "evaluate", SPEC, "--width", "8", "--weights", f"{run}:best", "--split", "nosuch")
+    assert rc == 2 and out == ""
+    assert err.startswith("jaxnitro evaluate: error: jaxnitro: no split 'nosuch'; this handle's data has ")
+    assert '"' not in err
+
+
+def test_a_refused_knob_is_named_as_its_option(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "train", SPEC, "--max_epochs", "null", "--run_dir", str(tmp_path))
+    assert rc == 2 and "run knob `--max_epochs null`; it must be an integer >= 0" in err
+    assert "(keyword)" not in err and "= None" not in err
+    rc, _, err = run_cli(capsys, "train", SPEC, "--max_steps=0", "--run_dir", str(tmp_path))
+    assert rc == 2 and "run knob `--max_steps 0`; it must be an integer >= 1" in err
+    config = tmp_path / "run.yaml"
+    config.write_text(f"experiment: {SPEC}\naccum: 0\n")
+    rc, _, err = run_cli(capsys, "train", "--config", str(config), "--run_dir", str(tmp_path))
+    assert rc == 2 and f"run knob `accum` = 0 (--config {config}); it must be an integer >= 1" in err

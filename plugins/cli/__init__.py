@@ -9,7 +9,8 @@ is the guide.
 * :mod:`.arguments`: an experiment class as options (fields with marker, type,
   default and docstring; the run knobs of ``jaxnitro.knobs.RUN_KNOBS``) and the YAML
   that reproduces a command (``--print_config`` / ``--config``);
-* :mod:`.interrupt`: Ctrl-C prints the command that continues the run, exit 130;
+* :mod:`.interrupt`: Ctrl-C and a preemption (SIGTERM, ``max_time``) print the command
+  that continues the run; exit 130 and 143;
 * :mod:`.runs_table`: the table of ``jaxnitro runs``;
 * :mod:`.commands`: the commands and :func:`main`.
 

@@ -2,18 +2,24 @@
 
 ``main(argv)`` is the console script (``jaxnitro ...``) and ``python -m jaxnitro``;
 it returns the exit status: 0, 1 for a run that ended other than ``done``, 2 for a
-refused command line or a refusal of jaxnitro's (the message printed, no traceback),
-130 after Ctrl-C.
+refused command line or a refusal of jaxnitro's (the message printed, no traceback,
+each knob the command line set named as its option: `--max_steps 0`), 130 after Ctrl-C,
+143 for a run preempted by SIGTERM or its ``max_time`` (requeue it and run it again with
+``--resume``); after Ctrl-C and a preemption one line on stderr says how to continue.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from jaxnitro.plugin import RUN_KNOBS
 
 from .arguments import CommandLineError, build_parser, config_yaml, load_class, parse
 from .interrupt import on_interrupt, position, program_words
@@ -119,6 +125,49 @@ def _class_and_rest(command: str, rest: list[str]) -> tuple[str | None, list[str
 
 def _jaxnitro_refusal(err: BaseException) -> bool:
     return str(err).startswith(("jaxnitro", "jn.")) or "jaxnitro:" in str(err)[:40]
+
+
+def _message(err: BaseException) -> str:
+    """``err``'s message as written: a ``KeyError`` of one string without the quotes ``str()``
+    puts around it."""
+    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        return err.args[0]
+    return str(err)
+
+
+_KEYWORD_KNOB = re.compile(r"`(\w+)` = (.*?) \(keyword\)")
+"""How the core names a knob passed to ``jn.Nitro`` as a keyword: ```max_steps` = 0 (keyword)``."""
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The value the last ``option VALUE`` / ``option=VALUE`` in ``argv`` gives, as typed; None
+    when ``argv`` does not give the option."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(option + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
+def _as_options(text: str, argv: list[str]) -> str:
+    """``text`` with each knob the core names as a keyword (```max_steps` = 0 (keyword)``)
+    named as the command line spelled it: ```--max_steps 0` ``, or, for a knob a ``--config``
+    file set, ```max_steps` = 0 (--config run.yaml)``."""
+    config = _option_value(argv, "--config")
+
+    def spell(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in RUN_KNOBS:  # not an option of the command line: leave the core's words
+            return m.group(0)
+        typed = _option_value(argv, f"--{name}")
+        if typed is not None:
+            return f"`{shlex.join([f'--{name}', typed])}`"
+        where = f"--config {config}" if config is not None else "command line"
+        return f"`{name}` = {m.group(2)} ({where})"
+
+    return _KEYWORD_KNOB.sub(spell, text)
 
 
 # -- the commands ------------------------------------------------------------------------------------
@@ -269,9 +318,9 @@ def main(argv: list[str] | None = None, *, prog_words: list[str] | None = None) 
     except (TypeError, ValueError, KeyError, FileNotFoundError) as err:
         if not _jaxnitro_refusal(err) and not isinstance(err, FileNotFoundError):
             raise
-        print(f"{prog} {command}: error: {err}", file=sys.stderr)
+        print(f"{prog} {command}: error: {_as_options(_message(err), argv)}", file=sys.stderr)
         return 2
-    except SystemExit as exit_:  # --help (0), argparse's own usage errors (2), Ctrl-C (130)
+    except SystemExit as exit_:  # --help (0), argparse's own usage errors (2), Ctrl-C (130), preempted (143)
         return exit_.code if isinstance(exit_.code, int) else 1
     finally:
         sys.stdout.flush()
