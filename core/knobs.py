@@ -222,25 +222,32 @@ def check_values(knobs: dict[str, ResolvedKnob]) -> None:
 
 def max_time_seconds(value, source: str = "keyword") -> float | None:
     """``max_time`` in seconds: None, a number of seconds > 0, or a string read as Slurm reads
-    ``--time``: ``"M"``, ``"M:S"``, ``"H:M:S"``, ``"D-H"``, ``"D-H:M"``, ``"D-H:M:S"`` (so ``"45"`` is
-    45 minutes); a minutes or seconds field after the first is below 60.
+    ``--time``: ``"M:S"``, ``"H:M:S"``, ``"D-H"``, ``"D-H:M"``, ``"D-H:M:S"``; a minutes or seconds
+    field after the first is below 60. Slurm's ``"M"`` (``"45"``: minutes to Slurm, seconds as a
+    number, and on the command line) is refused as ambiguous.
 
     ``ValueError`` naming the knob, its source and the accepted forms otherwise.
     """
     if value is None:
         return None
     seconds = float(value) if _is_real(value) else None
+    if isinstance(value, str) and value.strip().isdigit():
+        raise ValueError(
+            f"jaxnitro: run knob `max_time` = {value!r} ({source}) is ambiguous: Slurm reads it as "
+            f"{value.strip()} minutes, a number is seconds. Give {int(value) * 60} (seconds) or "
+            f"\"{int(value) // 60}:{int(value) % 60:02d}:00\" for minutes, or {int(value)} (a number) for seconds."
+        )
     if isinstance(value, str):
         days, dash, clock = value.strip().partition("-") if "-" in value else ("0", "", value.strip())
         fields = clock.split(":")
         if days.isdigit() and len(fields) <= 3 and all(f.isdigit() for f in fields):
             n = [int(f) for f in fields]
-            h, m, s = (n + [0, 0])[:3] if dash else [0, *n, 0] if len(n) == 1 else [0] * (3 - len(n)) + n
+            h, m, s = (n + [0, 0])[:3] if dash else [0] * (3 - len(n)) + n  # D-H[:M[:S]], [H:]M:S
             seconds = float(int(days) * 86400 + h * 3600 + m * 60 + s) if all(f < 60 for f in n[1:]) else None
     if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(
             f"jaxnitro: run knob `max_time` = {value!r} ({source}); give the wall-clock time the run "
-            f"may take: seconds > 0 (e.g. 3600), or a string in Slurm's --time forms \"M\", \"M:S\", "
+            f"may take: seconds > 0 (e.g. 3600), or a string in Slurm's --time forms \"M:S\", "
             f"\"H:M:S\", \"D-H\", \"D-H:M\", \"D-H:M:S\" (e.g. \"23:30:00\"; minutes and seconds "
             f"after the first field below 60), or None for no limit."
         )

@@ -311,8 +311,8 @@ def test_max_time_preempts(tmp_path):
 
 @pytest.mark.parametrize(("value", "seconds"), [
     ("23:30:00", 84600.0), ("1-00:00:10", 86410.0), ("05:00", 300.0), (90, 90.0),
-    # Slurm's other --time forms, read as Slurm reads them (they were read as seconds: "45" was 45 s)
-    ("45", 2700.0), ("90", 5400.0), ("1-12", 129600.0), ("1-12:30", 131400.0), ("2-0:0:5", 172805.0)])
+    # Slurm's other --time forms, read as Slurm reads them (they were read as seconds: "1-12" was a day and 12 s)
+    ("1-12", 129600.0), ("1-12:30", 131400.0), ("2-0:0:5", 172805.0)])
 def test_max_time_forms(value, seconds):
     from jaxnitro.knobs import max_time_seconds
 
@@ -321,8 +321,15 @@ def test_max_time_forms(value, seconds):
 
 @pytest.mark.parametrize("value", ["soon", "1:70:00", "1-2:3:4:5", "-00:00:01", "1h", "0:00", -5, 0, float("nan")])
 def test_a_bad_max_time_is_refused_naming_the_forms(tmp_path, value):
-    with pytest.raises(ValueError, match=r"max_time.*\"M\", \"M:S\", \"H:M:S\", \"D-H\", \"D-H:M\", \"D-H:M:S\""):
+    with pytest.raises(ValueError, match=r"max_time.*\"M:S\", \"H:M:S\", \"D-H\", \"D-H:M\", \"D-H:M:S\""):
         jn.Nitro(Tiny(), run_dir=tmp_path, max_time=value, logger=None)
+
+
+def test_a_max_time_of_bare_minutes_is_refused_as_ambiguous(tmp_path):
+    # Slurm reads "90" as minutes; a number is seconds: it was read as 90 s, silently
+    with pytest.raises(ValueError, match=r"`max_time` = '90' \(keyword\) is ambiguous: Slurm reads it as 90 minutes, "
+                                         r"a number is seconds\. Give 5400 \(seconds\) or \"1:30:00\" for minutes"):
+        jn.Nitro(Tiny(), run_dir=tmp_path, max_time="90", logger=None)
 
 
 @pytest.mark.parametrize("name", ["max_steps", "val_every_n_steps"])
