@@ -16,7 +16,10 @@ Entry point ``orbax``. It
   whose status then is ``"failed"`` (the loggers' finish says so), naming the folder, the
   error and the checkpoints still on disk; a save never recreates a deleted run folder;
 * answers ``jaxnitro_load_weights``: finds the checkpoint(s) a ``weights=`` / ``resume=``
-  spec names and describes them as a :class:`jaxnitro.weights.WeightsRecord`.
+  spec names and describes them as a :class:`jaxnitro.weights.WeightsRecord`; a checkpoint
+  deleted while it is read is said to be that (a ``FileNotFoundError`` whose ``run_folder`` is
+  the folder being written: the ``run_lock`` plugin turns it into ``jn.RunFolderInUse`` when a
+  live run holds that folder), not corrupt.
 
 A checkpoint serializes one :class:`jaxnitro.plugin.SavedRun` (``run.run_state.snapshot()``:
 state, rows, data position, open row) as a plain orbax checkpoint (``docs/checkpoints.md``) with two items:
@@ -183,12 +186,21 @@ def _every(instance, attribute, value):
 
 
 def _every_n_steps(instance, attribute, value):
+    """``every_n_steps``: None (save at epoch ends) or an integer >= 1, and not given together
+    with an ``every`` other than 1 (the epoch-end cadence it replaces): refused, naming both."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(
             f"jaxnitro: Checkpointer(every_n_steps={value!r}); it must be an integer >= 1 (optimizer "
             f"steps between checkpoints), or None to save at epoch ends."
+        )
+    if instance.every != 1:
+        raise ValueError(
+            f"jaxnitro: Checkpointer(every={instance.every!r}, every_n_steps={value!r}); every_n_steps "
+            f"saves every {value} optimizer steps instead of at epoch ends, so `every` (epochs between "
+            f"checkpoints) would be ignored. Give one of them: every_n_steps={value} alone, or "
+            f"every={instance.every!r} alone."
         )
 
 
@@ -210,7 +222,8 @@ def _min_interval(instance, attribute, value):
 @attrs.frozen
 class Checkpointer:
     """Save a checkpoint at the end of every ``every``-th epoch (and the last), with orbax;
-    or, with ``every_n_steps=N``, every N optimizer steps (mid-epoch too) and at the run's end.
+    or, with ``every_n_steps=N``, every N optimizer steps (mid-epoch too) and at the run's end,
+    instead of at epoch ends (so ``every`` and ``every_n_steps`` together are refused).
 
     Every checkpoint is a resume point: ``resume="auto"`` continues from its step, with the
     data position, the PRNG key and the open history row it recorded.
@@ -926,8 +939,8 @@ class _RunFolder:
     def meta(self, step: int) -> dict:
         try:
             return self._read_meta(step)
-        except Exception as err:  # noqa: BLE001 - any read failure means the checkpoint is damaged
-            raise _Corrupt(self, step, err) from err
+        except Exception as err:  # noqa: BLE001 - any read failure: the checkpoint is damaged, or gone
+            raise _unreadable(self, step, err) from err
 
     def readable_steps(self, skip: int | None = None) -> list[int]:
         out = []
@@ -940,6 +953,32 @@ class _RunFolder:
             except Exception:  # noqa: BLE001
                 pass
         return out
+
+
+def _unreadable(folder: _RunFolder, step: int, err: Exception) -> Exception:
+    """The error for a checkpoint that could not be read (``err``): :class:`_Vanished` when its
+    folder is gone (deleted while it was read), :class:`_Corrupt` when it is still there."""
+    if not os.path.isdir(folder.step_path(step)):
+        return _Vanished(folder, step, err)
+    return _Corrupt(folder, step, err)
+
+
+class _Vanished(FileNotFoundError):
+    """A checkpoint deleted while it was being read: another process is writing its run folder
+    (a run still training into it, whose ``keep`` removed that step). Not corrupt, and not a
+    :class:`NoCheckpointError` (``resume="auto"`` must not start fresh over it). ``run_folder``
+    is that folder (the ``run_lock`` plugin names the run holding it)."""
+
+    def __init__(self, folder: _RunFolder, step: int, err: Exception):
+        self.folder, self.step, self.err = folder, step, err
+        self.run_folder = str(folder.path.resolve())
+        super().__init__(
+            f"jaxnitro: the checkpoint {folder.step_path(step)} was deleted while being read "
+            f"({type(err).__name__}: {str(err)[:200]}): another process is writing this run folder, "
+            f"and its checkpointer's `keep` removed that step; the checkpoint is not corrupt. "
+            f"Wait for that run to end (or stop it) and try again, or name a checkpoint of a run "
+            f"nobody is writing; nothing was changed on disk."
+        )
 
 
 class _Corrupt(ValueError):
@@ -984,10 +1023,14 @@ def _inventory(run_dir) -> str:
 
 
 def _not_found(what: str, run_dir) -> NoCheckpointError:
-    return NoCheckpointError(
+    """The refusal of a spec that names nothing on disk: ``what`` (kept as the error's ``what``),
+    what ``run_dir`` holds, and the forms a spec takes."""
+    err = NoCheckpointError(
         f"jaxnitro: {what}. {_inventory(run_dir)}\nName a checkpoint folder (…/checkpoints/<step>), a "
         f"run folder, or a pair such as ('latest', 'best'), ('<run folder name>', <step>)."
     )
+    err.what = what
+    return err
 
 
 def _short(spec) -> str:
@@ -1002,8 +1045,6 @@ def _parse(spec, run_dir, purpose):
         return _latest(run_dir, spec), spec
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if purpose == "resume" and text == "auto":
-            return _latest(run_dir, spec), "resume"
         path = Path(text)
         if text == "latest" and not path.exists():  # the newest run's newest checkpoint
             return _latest(run_dir, spec), "resume" if purpose == "resume" else "last"
@@ -1174,7 +1215,7 @@ def _restore_fn(folder: _RunFolder, steps: list[int]):
         try:
             got = folder.mgr.restore(step, args=ocp.args.Composite(state=restore))["state"]
         except Exception as err:  # noqa: BLE001
-            raise _Corrupt(folder, step, err) from err
+            raise _unreadable(folder, step, err) from err
         return {item: jax.tree_util.tree_map(jnp.asarray, got[item]) for item in wanted}
 
     def restore(wanted):
@@ -1207,16 +1248,7 @@ def _restore_fn(folder: _RunFolder, steps: list[int]):
 @hookimpl(trylast=True)
 def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
     """Find the checkpoint(s) ``spec`` names under ``run_dir``; describe them as a WeightsRecord."""
-    folder_path, which = _parse(spec, run_dir, purpose)
-    notes = []
-    if folder_path is None:  # an explicit checkpoint folder
-        folder, step = _checkpoint_folder(Path(which), run_dir)
-        steps, which = [step], "path"
-    elif purpose == "resume" and (spec in ("auto", "latest") or (isinstance(spec, tuple) and spec[0] == "latest")):
-        folder, steps, notes = _newest_compatible(run_dir, which, experiment, monitor, purpose, spec)
-    else:
-        folder = _RunFolder(folder_path)
-        steps = _select(folder, which, monitor, purpose, spec, run_dir)
+    folder, steps, which, notes = _find(spec, run_dir, experiment, monitor, purpose)
     if isinstance(which, Average) and len(steps) < which.of.n:
         notes.append(_fewer_note(spec, purpose, which, folder, steps))
     meta = folder.meta(steps[-1])
@@ -1240,16 +1272,41 @@ def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
     )
 
 
+def _find(spec, run_dir, experiment, monitor, purpose):
+    """``(folder, steps, which, notes)``: the :class:`_RunFolder` and the steps (oldest first)
+    ``spec`` selects, ``which`` as :func:`_parse` reads it, and the warnings to give."""
+    if purpose == "resume" and isinstance(spec, str) and spec == "auto":
+        folder, steps, notes = _newest_compatible(run_dir, "resume", experiment, monitor, purpose, spec)
+        return folder, steps, "resume", notes
+    folder_path, which = _parse(spec, run_dir, purpose)
+    if folder_path is None:  # an explicit checkpoint folder
+        folder, step = _checkpoint_folder(Path(which), run_dir)
+        return folder, [step], "path", []
+    if purpose == "resume" and (spec == "latest" or (isinstance(spec, tuple) and spec[0] == "latest")):
+        folder, steps, notes = _newest_compatible(run_dir, which, experiment, monitor, purpose, spec)
+        return folder, steps, which, notes
+    folder = _RunFolder(folder_path)
+    return folder, _select(folder, which, monitor, purpose, spec, run_dir), which, []
+
+
 def _newest_compatible(run_dir, which, experiment, monitor, purpose, spec):
     """``(folder, steps, notes)``: the newest run that ``experiment`` can continue (same experiment
     class, same GraphConst values: :func:`jaxnitro.weights.incompatibility`) and has a checkpoint
-    ``which`` selects; ``notes`` names the newer runs passed over as another experiment's."""
-    skipped = []
+    ``which`` selects; ``notes`` names the newer runs passed over as another experiment's.
+
+    With none, :class:`NoCheckpointError`: for ``"auto"`` the clause the core's warning quotes
+    (:func:`_nothing_to_continue`); when no run was passed over as another experiment's, the
+    newest run's own refusal (say "run X has no checkpoint at step N (it has [...])");
+    otherwise one naming both what the runs lack and the runs passed over."""
+    skipped, missing = [], []
     for path in _runs(run_dir):
         folder = _RunFolder(path)
+        if not folder.steps:  # an empty checkpoints folder: a run folder without checkpoints
+            continue
         try:
             steps = _select(folder, which, monitor, purpose, spec, run_dir)
-        except NoCheckpointError:
+        except NoCheckpointError as err:
+            missing.append(err)
             continue
         why = incompatibility(experiment, folder.meta(steps[-1]))
         if why is None:
@@ -1260,8 +1317,33 @@ def _newest_compatible(run_dir, which, experiment, monitor, purpose, spec):
             ]
             return folder, steps, notes
         skipped.append(f"{path.name} ({why})")
+    if spec == "auto":
+        raise _nothing_to_continue(run_dir, skipped, missing)
+    if missing and not skipped:
+        raise missing[0]
+    lacking = "".join(f"; {getattr(m, 'what', m)}" for m in missing)
     passed = f"; the runs there belong to other experiments: {'; '.join(skipped)}" if skipped else ""
-    raise _not_found(f"no run under run_dir has a checkpoint of this experiment to continue from{passed}", run_dir)
+    what = f"no run under run_dir has a checkpoint of this experiment to continue from{lacking}{passed}"
+    raise _not_found(what, run_dir)
+
+
+def _nothing_to_continue(run_dir, skipped: list[str], missing: list) -> NoCheckpointError:
+    """``resume="auto"`` with nothing to continue. The core quotes the error in its warning
+    ("resume='auto' found no checkpoint to continue (<this>); starting a fresh run."), so its
+    text is that clause (no prefix, no advice on naming a checkpoint): what ``run_dir`` is or
+    holds, and briefly why none of its run folders is one to continue."""
+    root = Path(run_dir).resolve()
+    if not root.is_dir():
+        return NoCheckpointError(f"run_dir {str(root)!r} does not exist")
+    runs = [p for p in root.iterdir() if p.is_dir() and _run_key(p)]
+    if not runs:
+        return NoCheckpointError(f"run_dir {str(root)!r} holds no run folder")
+    bare = sum(1 for p in runs if not _RunFolder(p).steps)
+    parts = [f"{bare} run folder{'s' if bare > 1 else ''} without checkpoints"] if bare else []
+    parts += [getattr(m, "what", str(m)) for m in missing]
+    if skipped:
+        parts.append(f"runs that belong to other experiments: {'; '.join(skipped)}")
+    return NoCheckpointError(f"run_dir {str(root)!r} holds no checkpoint of this experiment: {'; '.join(parts)}")
 
 
 def _fewer_note(spec, purpose, which, folder, steps) -> str:

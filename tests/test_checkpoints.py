@@ -12,6 +12,7 @@ import os
 import shutil
 import warnings
 
+import attrs
 import jax
 import numpy as np
 import pytest
@@ -253,6 +254,20 @@ def test_bad_policies_and_knobs(tmp_path):
         jn.Nitro(Tiny(), run_dir=tmp_path, restore_best=True)
     with pytest.raises(ValueError, match="w0='weights'.*no `weights=`"):
         jn.Nitro(Tiny(), run_dir=tmp_path, w0="weights")
+
+
+def test_every_with_every_n_steps_is_refused_naming_both():
+    """every_n_steps saves instead of at epoch ends: an `every` given with it would be ignored."""
+    for every in (2, 3):
+        with pytest.raises(ValueError, match=rf"^jaxnitro: Checkpointer\(every={every}, every_n_steps=5\); .*"
+                                             rf"`every` .* would be ignored\. Give one of them: every_n_steps=5 "
+                                             rf"alone, or every={every} alone\."):
+            jn.Checkpointer(every=every, every_n_steps=5)
+    # either alone is taken, and the default `every` goes with every_n_steps (evolve keeps it so)
+    assert jn.Checkpointer(every_n_steps=5).every == 1 and jn.Checkpointer(every=2).every_n_steps is None
+    assert attrs.evolve(jn.Checkpointer(keep=jn.Last(2)), every_n_steps=3).every_n_steps == 3
+    with pytest.raises(ValueError, match=r"every=2, every_n_steps=3"):
+        attrs.evolve(jn.Checkpointer(every=2), every_n_steps=3)
 
 
 def test_best_without_a_recorded_metric_and_an_empty_average(tmp_path):

@@ -2,7 +2,9 @@
 is still there (entry point ``run_lock``).
 
 Answers ``jaxnitro_hold_run_folder`` (``trylast``: an installed plugin holding folders its own
-way wins) and exports ``jn.RunFolderInUse`` and ``jn.RunFolderLost``. With this plugin
+way wins), wraps ``jaxnitro_load_weights`` (a resume that would continue a folder a live run
+holds is refused as the handle is built, before any array is read: :func:`held`) and exports
+``jn.RunFolderInUse`` and ``jn.RunFolderLost``. With this plugin
 disabled (``JAXNITRO_DISABLE_PLUGINS=run_lock``) and no other answer, runs train into their
 folders unlocked and unguarded, with a warning. It shares the ``run_folder`` package with the
 folder naming (entry point ``run_folder``) but is its own entry point, so either can be
@@ -45,6 +47,7 @@ import errno
 import json
 import os
 import socket
+import time
 import warnings
 
 import structlog
@@ -56,8 +59,8 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["LOCK_NAME", "RunFolderInUse", "RunFolderLost", "RunFolderLock", "hold_run_folder", "lock_owner",
-           "jaxnitro_exports", "jaxnitro_hold_run_folder"]
+__all__ = ["LOCK_NAME", "RunFolderInUse", "RunFolderLost", "RunFolderLock", "held", "hold_run_folder", "lock_owner",
+           "jaxnitro_exports", "jaxnitro_hold_run_folder", "jaxnitro_load_weights"]
 
 log = structlog.get_logger("jaxnitro")
 
@@ -269,7 +272,7 @@ def _acquire(folder: str, processes: int) -> int:
     """An open, locked lock file of ``folder`` holding this process's record."""
     path = os.path.join(folder, LOCK_NAME)
     record = _record(processes)
-    for _ in range(100):  # a racing releaser unlinks the file we opened: open it again
+    for attempt in range(100):  # a racing releaser unlinks the file we opened: open it again
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if fcntl is None:
@@ -278,7 +281,10 @@ def _acquire(folder: str, processes: int) -> int:
         except BlockingIOError:
             owner = _read_fd(fd)
             os.close(fd)
-            raise _in_use(folder, owner, "it is locked by") from None
+            if owner is not None and _pid_alive(owner.get("pid")) or attempt >= 9:
+                raise _in_use(folder, owner, "it is locked by") from None
+            time.sleep(0.005)  # a check's shared lock (:func:`held`, microseconds), or a releaser's
+            continue
         except OSError as err:
             if err.errno not in _NO_FLOCK:
                 os.close(fd)
@@ -295,21 +301,50 @@ def _acquire(folder: str, processes: int) -> int:
     raise OSError(f"jaxnitro: could not take the lock {path}: it was released and taken again 100 times")
 
 
+def _held_by_record(folder: str, previous: dict | None) -> RunFolderInUse | None:
+    """Where ``flock`` is refused, the record decides: the refusal when another host's record,
+    or a live pid of this host, holds the folder; else None."""
+    if previous is not None and previous.get("host") != socket.gethostname():
+        return _in_use(folder, previous, "(this file system cannot lock files, so its record decides) it is held by")
+    if previous is not None and _pid_alive(previous.get("pid")):
+        return _in_use(folder, previous, "it is held by the live process")
+    return None
+
+
 def _acquire_by_record(folder: str, fd: int, record: dict) -> int:
-    """Where ``flock`` is refused: the record decides (a live pid on this host, or another
-    host's, holds the folder)."""
+    """Where ``flock`` is refused: the record decides (:func:`_held_by_record`)."""
     previous = _read_fd(fd)
+    refused = _held_by_record(folder, previous)
+    if refused is not None:
+        os.close(fd)
+        raise refused
     if previous is not None:
-        here = previous.get("host") == record["host"]
-        if not here:
-            os.close(fd)
-            raise _in_use(folder, previous, "(this file system cannot lock files, so its record decides) it is held by")
-        if _pid_alive(previous.get("pid")):
-            os.close(fd)
-            raise _in_use(folder, previous, "it is held by the live process")
         _stale_warning(folder, previous, f"pid {previous.get('pid')} is not alive on this host")
     _write_record(fd, record)
     return fd
+
+
+def held(folder) -> RunFolderInUse | None:
+    """The refusal :func:`hold_run_folder` would raise for ``folder`` (a live run holds its lock),
+    found without taking the lock: a shared ``flock`` released at once (where ``flock`` is
+    refused, the record decides); else None (no lock file, or a stale one, which
+    :func:`hold_run_folder` takes over)."""
+    folder = os.path.abspath(os.fspath(folder))
+    try:
+        fd = os.open(os.path.join(folder, LOCK_NAME), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if fcntl is None:
+            return _held_by_record(folder, _read_fd(fd))
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _in_use(folder, _read_fd(fd), "it is locked by")
+    except OSError as err:
+        return _held_by_record(folder, _read_fd(fd)) if err.errno in _NO_FLOCK else None
+    finally:
+        os.close(fd)  # releases the shared lock
+    return None
 
 
 def hold_run_folder(folder: str, dist=None) -> RunFolderLock:
@@ -337,6 +372,26 @@ def hold_run_folder(folder: str, dist=None) -> RunFolderLock:
 @hookimpl(trylast=True)
 def jaxnitro_hold_run_folder(folder, dist):
     return hold_run_folder(folder, dist)
+
+
+@hookimpl(wrapper=True)
+def jaxnitro_load_weights(spec, run_dir, experiment, monitor, purpose):
+    """A resume that would continue a run folder a live run holds is refused as the handle is
+    built, with the refusal ``train()`` would give, before any array is read: the record names
+    the folder (``run_folder``, ``newest_in_run``), or the reader's error does (a checkpoint the
+    live run's ``keep`` deleted under the search: a ``FileNotFoundError`` with ``run_folder``)."""
+    try:
+        record = yield
+    except FileNotFoundError as err:
+        refused = held(err.run_folder) if purpose == "resume" and getattr(err, "run_folder", None) else None
+        if refused is not None:
+            raise refused from err
+        raise
+    if purpose == "resume" and record is not None and record.newest_in_run and record.run_folder:
+        refused = held(record.run_folder)
+        if refused is not None:
+            raise refused
+    return record
 
 
 @hookimpl
