@@ -243,3 +243,23 @@ def test_a_save_never_recreates_a_deleted_run_folder(tmp_path):
         jn.train(Ranked(), run_dir=tmp_path, max_epochs=3, logger=None,
                  checkpointer=jn.Checkpointer(min_interval=3600))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_check_of_the_lock_does_not_refuse_a_run_taking_it(tmp_path):
+    # `held` (a resume's check at setup) takes a shared flock for an instant; a run taking the
+    # folder meanwhile (a stale lock file: its owner was killed) waits it out instead of being refused
+    import fcntl
+    import threading
+
+    from jaxnitro.plugins.run_folder.lock import held
+
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 7, "host": socket.gethostname()}))
+    assert held(tmp_path) is None  # a stale lock is not held
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # as `held` does, for 20 ms
+    threading.Timer(0.02, os.close, (fd,)).start()
+    with pytest.warns(RuntimeWarning, match="takes the folder over"):
+        lock = hold_run_folder(str(tmp_path))
+    assert lock_owner(tmp_path)["pid"] == os.getpid()
+    assert "it is locked by" in str(held(tmp_path))  # now held: the refusal train() would give
+    lock.release()
