@@ -806,6 +806,7 @@ class _Saver:
             },
             "steps_per_epoch": self.run.steps_per_epoch,
             "accum": nitro.settings.accum,
+            "batch_width": nitro.plan.width,  # the train split's batch size: a resume must read the same
             "seed": nitro.settings.seed,
             "rng": _rng_record(state.rng),
             "monitor": list(self.monitor) if self.monitor else None,

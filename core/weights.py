@@ -509,12 +509,15 @@ def _optimizer_mismatch(record: WeightsRecord, rest: dict, err: ValueError) -> V
     )
 
 
-def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch):
+def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch, accum=None,
+                   width=None):
     """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
     epoch and PRNG key from the record; the optimizer state must already be built
     (its structure is the restore target). Any checkpoint is a resume point, at an epoch's end or in its middle: the
     loop continues from its step (the data position follows from it: the epoch and the next
-    batch of a source with ``len()``). Returns ``(state, the ResumePoint, where the weights
+    batch of a source with ``len()``). ``ValueError`` when the record's steps per epoch,
+    ``accum`` or train batch ``width`` differ from the handle's (a stream has no steps per
+    epoch: its position counts batches). Returns ``(state, the ResumePoint, where the weights
     came from, in words)``."""
     from .optim import ema_of, rule_state_of, with_parts
     from .state import ResumePoint
@@ -528,6 +531,14 @@ def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, ste
             f"resumed run must read the same data in the same order; use `weights=` to start a new "
             f"run from these weights instead."
         )
+    for what, saved, now in (("accum", meta.get("accum"), accum), ("a train batch size", meta.get("batch_width"), width)):
+        if saved is not None and now is not None and saved != now:
+            raise ValueError(
+                f"jaxnitro: the checkpoint {record.path} was saved by a run with {what} of {saved}; "
+                f"this handle has {now}. Its data position counts the batches read, so a resumed run "
+                f"must read the same batches in the same order; resume with {what} of {saved}, or "
+                f"use `weights=` to start a new run from these weights instead."
+            )
     wanted = {"params": abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)

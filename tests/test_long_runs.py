@@ -540,6 +540,14 @@ def test_a_stream_resumes_mid_epoch_by_reading_again_with_a_warning(tmp_path):
         resumed.train()
     assert_same_state(resumed, straight)
     assert resumed.rows == straight.rows[-len(resumed.rows):]
+    # the same stream resumed with another accum or batch size: refused (it skipped the wrong
+    # number of batches, silently: a stream has no steps per epoch to compare)
+    with pytest.raises(ValueError, match=r"saved by a run with accum of 1; this handle has 2\..*same batches"):
+        jn.Nitro(Tiny(), data=_stream_data(), run_dir=tmp_path / "b", resume="auto", **dict(kw, accum=2))
+    halves = {"train": _Stream(tiny_data(batch=8)["train"]), "val": tiny_data()["val"]}
+    with pytest.raises(ValueError, match=r"with a train batch size of 16; this handle has 8\..*resume with a train "
+                                         r"batch size of 16, or use `weights=`"):
+        jn.Nitro(Tiny(), data=halves, run_dir=tmp_path / "b", resume="auto", **kw)
 
 
 class _PreemptingStream(_Stream):
