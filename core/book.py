@@ -135,17 +135,17 @@ def schedule_horizon(settings, steps_per_epoch: int | None, bindings, resumed_me
     run's total (the values jump at the seam); without either, ``ValueError`` naming both.
     """
     total = make_book(settings, steps_per_epoch).total
-    saved = (resumed_meta or {}).get("horizon")
-    if saved is None or int(saved) == total or not bindings:
+    saved, step = (resumed_meta or {}).get("horizon"), (resumed_meta or {}).get("step")
+    if saved is None or int(saved) == total or not bindings or int(step or 0) >= total:  # the last: nothing to train
         return total
     if settings.schedule_horizon == "saved":
         return int(saved)
     if settings.schedule_horizon == "new":
         return total
-    step = (resumed_meta or {}).get("step")
     raise ValueError(
         f"jaxnitro: this run resumes at step {step} a run whose schedules were planned over {int(saved)} "
-        f"optimizer steps, but it plans {total} (max_epochs / max_steps changed). Re-planning them would "
+        f"optimizer steps, but it plans {total} (its max_epochs / max_steps are not those the curves "
+        f"were planned with). Re-planning them would "
         f"move every schedule's value at the seam. Say which: `schedule_horizon=\"saved\"` continues the "
         f"original curves (past step {int(saved)} they hold their last value), `schedule_horizon=\"new\"` "
         f"re-plans them over {total} steps."

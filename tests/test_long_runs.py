@@ -440,6 +440,9 @@ def test_a_longer_resumed_run_must_say_which_horizon_its_schedules_follow(tmp_pa
     saved = rates(jn.Nitro(Tiny(), resume="auto", max_epochs=4, schedule_horizon="saved", **kw))
     # the original 12-step curve's last value (its step 12), held: no jump at the seam
     assert saved[13] == saved[24] == pytest.approx(1e-2 / 12)
+    # that job again, finished, without the knob: nothing to train, nothing to decide (it was refused)
+    with pytest.warns(RuntimeWarning, match="nothing to train"):
+        assert jn.Nitro(Tiny(), resume="auto", max_epochs=4, **kw).train().step == 24
     kw["run_dir"] = tmp_path / "again"
     jn.train(Tiny(), max_epochs=2, **kw)
     new = rates(jn.Nitro(Tiny(), resume="auto", max_epochs=4, schedule_horizon="new", **kw))
