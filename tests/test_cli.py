@@ -270,3 +270,11 @@ def test_a_refused_knob_is_named_as_its_option(capsys, tmp_path):
     config.write_text(f"experiment: {SPEC}\naccum: 0\n")
     rc, _, err = run_cli(capsys, "train", "--config", str(config), "--run_dir", str(tmp_path))
     assert rc == 2 and f"run knob `accum` = 0 (--config {config}); it must be an integer >= 1" in err
+
+
+def test_train_validated_every_n_steps_reports_the_best_step(capsys, tmp_path):
+    # two validations in one epoch made `nitro.history()` raise after training: a traceback, rc 1
+    rc, out, err = run_cli(capsys, "train", SPEC, "--max_epochs", "2", "--val_every_n_steps", "4", "--run_dir", str(tmp_path))
+    assert rc == 0, err
+    assert "done: epoch 2/2, 12 optimizer steps" in out
+    assert "best: step " in out and "(epoch " in out  # a step, then its epoch

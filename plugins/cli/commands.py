@@ -204,7 +204,8 @@ def _train(inv, prog_words, argv) -> int:
     print(f"{nitro.status}: {position(nitro, done=True)}"
           + (f"; {nitro.stop_reason}" if nitro.stop_reason else ""))
     if best is not None:
-        print(f"best: epoch {best['epoch']}, {monitor[0]} {best[monitor[0]]:.4g}")
+        where = f"step {best['step']:,} (epoch {best['epoch']})" if nitro.settings.val_every_n_steps else f"epoch {best['epoch']}"
+        print(f"best: {where}, {monitor[0]} {best[monitor[0]]:.4g}")
     print(f"run: {nitro.run_dir} (metrics.jsonl, {CONFIG_NAME}"
           + (", checkpoints/)" if nitro.settings.checkpointer is not None else ")"))
     return 0 if nitro.status == "done" else 1
