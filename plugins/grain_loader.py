@@ -9,7 +9,10 @@ pipeline is adapted through ``jaxnitro_adapt_source``:
   any worker count;
 * a ``grain.IterDataset`` or a ``grain.DataLoader`` becomes a
   :class:`GrainStream`, iterated by one producer (an iterator cannot be
-  shared); its ``prefetch_note`` says so.
+  shared); its ``prefetch_note`` says so. When the pipeline does not make the
+  batches per pass certain (a filter, an endless sampler or repeat, ...) it is a
+  stream without ``len()``: each pass an epoch that ends when grain's iterator
+  does, for a run bounded by ``max_steps``.
 
 A ``MapDataset`` of single records is refused, naming the fix
 (``.batch(batch_size, drop_remainder=True)``, or
@@ -19,7 +22,8 @@ A ``MapDataset`` of single records is refused, naming the fix
 ``e``: batch ``i`` is ``ds[e * len(ds) + i]``. grain's global shuffle reseeds
 each epoch (seed ``+ e``) and ``random_map`` draws per index, so every epoch
 differs and the same pipeline seed repeats the run. A ``GrainStream`` starts a
-fresh iterator each epoch: the pass grain's iterator makes from its start.
+fresh iterator each epoch: the pass grain's iterator makes from its start (all of
+it, for a stream without ``len()``).
 
 **Reading at batch level.** Each ``batch_at`` is one grain read of a whole
 batch. When the pipeline ends in ``.batch(...)`` the records of the batch are
@@ -366,12 +370,17 @@ class GrainStream:
     **Arguments:**
 
     - ``dataset``: a ``grain.IterDataset`` or ``grain.DataLoader`` yielding batches.
-    - ``batches_per_epoch``: the batches an epoch takes from each fresh
-      iterator (the first ones; a shorter pass fails the epoch naming the
-      split). Needed unless the length is certain from the pipeline: an
-      IterDataset of one-to-one steps and one ``batch`` over an unfiltered
-      ``MapDataset``; a DataLoader with a finite sampler (``num_epochs`` set),
-      ``worker_count=0``, Map/RandomMap operations and one ``Batch``.
+    - ``batches_per_epoch``: gives the stream a ``len()``: the batches an epoch
+      takes from each fresh iterator (the first ones; a shorter pass fails the
+      epoch naming the split). Without it, ``len()`` is inferred when the
+      pipeline makes it certain: an IterDataset of one-to-one steps and one
+      ``batch`` over an unfiltered ``MapDataset``; a DataLoader with a finite
+      sampler (``num_epochs`` set), ``worker_count=0``, Map/RandomMap operations
+      and one ``Batch``. Otherwise (a filter, an endless sampler or repeat, worker
+      processes batching their own shares, ...) it is a *stream without len()*
+      (``len()`` raises ``TypeError``): each epoch is one whole pass of a fresh
+      iterator, ending when grain's does, and it can be the train split of a run
+      bounded by ``max_steps`` (setup refuses it without one, naming the fix).
     - ``fields``: names for the parts of tuple elements.
 
     **Resume.** A :class:`jaxnitro.plugin.StatefulStream`: after each batch it yields, it
@@ -381,7 +390,7 @@ class GrainStream:
     ``set_state`` it, so a resumed run continues mid-epoch with nothing read again.
 
     **Raises:** ``TypeError`` for another type (a ``MapDataset`` is
-    :class:`GrainSource`'s) or an uncertain length without ``batches_per_epoch``.
+    :class:`GrainSource`'s); ``ValueError`` for a pipeline certain to yield no batch.
     """
 
     prefetch_workers = 1
@@ -401,27 +410,34 @@ class GrainStream:
                 raise ValueError(f"GrainStream: batches_per_epoch must be an int >= 1, got {batches_per_epoch!r}")
             n = batches_per_epoch
         else:
+            # None: the pipeline does not make it certain, a stream without len()
             n = _loader_length(dataset, grain) if loader else _iter_length(dataset, grain)
-            if n is None:
-                raise TypeError(
-                    f"jaxnitro: a grain {self.kind} has no len(), and this pipeline does not make "
-                    f"the number of batches per pass certain (a filter, an endless sampler or repeat, "
-                    f"worker processes batching their own shares, ...). Fix: "
-                    f"jn.GrainStream(ds, batches_per_epoch=N) (each epoch takes the first N batches "
-                    f"of a fresh iterator), or hand over the grain.MapDataset (index-addressable)"
-                )
             if n == 0:
                 raise ValueError(f"GrainStream: the grain {self.kind} yields no batch")
         self.dataset, self.fields = dataset, check_fields(fields)
         self._len, self._take = n, batches_per_epoch is not None
+        epochs = (
+            "each epoch restarts its iterator" if n is not None else
+            "no len(): each epoch is a pass of a fresh iterator, ending when grain's does (bound the "
+            "run with max_steps, or give it batches_per_epoch=N)"
+        )
         self.prefetch_note = (
-            f"grain {self.kind}: not index-addressable, 1 producer; each epoch restarts its iterator; "
+            f"grain {self.kind}: not index-addressable, 1 producer; {epochs}; "
             f"a resume restores its iterator state"
         )
         self._states = PassStates()  # the iterator's state after each batch of the current pass
         self._restore = None  # the state the next pass starts from (restore_iterator)
 
     def __len__(self) -> int:
+        if self._len is None:  # TypeError: what len() of an object without __len__ raises
+            raise TypeError(
+                f"jaxnitro: this grain {self.kind} is a stream without len(): its pipeline does not "
+                f"make the number of batches per pass certain (a filter, an endless sampler or "
+                f"repeat, worker processes batching their own shares, ...), so an epoch ends when "
+                f"grain's iterator does. It trains in a run bounded by max_steps; for a len(), "
+                f"jn.GrainStream(ds, batches_per_epoch=N) (each epoch takes the first N batches of a "
+                f"fresh iterator), or hand over the grain.MapDataset (index-addressable)"
+            )
         return self._len
 
     def __iter__(self):
@@ -456,12 +472,15 @@ class GrainStream:
                 f"GrainStream.restore_iterator takes what iterator_state returned, a dict "
                 f"{{'batches': int, 'iterator': grain's state}}; got {state!r}"
             )
-        if not 0 <= state["batches"] <= self._len:
-            raise ValueError(f"GrainStream: the state is {state['batches']} batches into a pass of {self._len}")
+        if state["batches"] < 0 or (self._len is not None and state["batches"] > self._len):
+            of = "" if self._len is None else f" of {self._len}"
+            raise ValueError(f"GrainStream: the state is {state['batches']} batches into a pass{of}")
         self._restore = state
 
     def __repr__(self) -> str:
-        return f"GrainStream({self.kind}, {len(self)} batches per epoch)"
+        if self._len is None:
+            return f"GrainStream({self.kind}, a stream without len(): each epoch one pass of grain's iterator)"
+        return f"GrainStream({self.kind}, {self._len} batches per epoch)"
 
 
 def _jsonable_state(state):
@@ -481,7 +500,8 @@ def _grain_state(state, kind: str):
 @hookimpl(trylast=True)
 def jaxnitro_adapt_source(source, split):
     """A batched ``grain.MapDataset`` -> :class:`GrainSource`; an ``IterDataset`` or
-    ``DataLoader`` -> :class:`GrainStream` (noted at setup); anything else -> ``None``."""
+    ``DataLoader`` -> :class:`GrainStream` (noted at setup; without ``len()`` when the
+    pipeline does not make its batches per pass certain); anything else -> ``None``."""
     grain = sys.modules.get("grain")
     if grain is None:  # nobody imported grain, so this is no grain pipeline
         return None

@@ -19,7 +19,7 @@ import jaxnitro.exports
 from jaxnitro.batches import wrap_split
 from jaxnitro.plugin_manager import plugin_manager
 from jaxnitro.plugins import grain_loader as mod
-from tiny import Tiny, assert_parts_make_the_batches, make_arrays
+from tiny import Tiny, assert_parts_make_the_batches, make_arrays, tiny_data
 
 NAME = "grain_loader"
 
@@ -157,8 +157,15 @@ def test_iter_length_inferred_only_when_certain(grain):
     assert len(mod.GrainStream(base.to_iter_dataset().batch(16))) == 6
     assert len(mod.GrainStream(base.to_iter_dataset().map(lambda r: r).batch(16, drop_remainder=True))) == 5
     filtered = base.filter(lambda r: r["y"] > 0).to_iter_dataset().batch(16)
-    with pytest.raises(TypeError, match="batches_per_epoch=N"):
-        wrap_split(filtered, "train")
+    # not certain: a stream without len() (a run bounded by max_steps trains it), no refusal
+    wrapped = wrap_split(filtered, "train")
+    assert isinstance(wrapped.source, mod.GrainStream) and not wrapped.sized and not wrapped.addressable
+    with pytest.raises(TypeError, match=r"stream without len\(\).*max_steps.*batches_per_epoch=N"):
+        len(wrapped.source)
+    assert repr(wrapped.source) == "GrainStream(IterDataset, a stream without len(): each epoch one pass of grain's iterator)"
+    assert "no len(): each epoch is a pass of a fresh iterator" in wrapped.source.prefetch_note
+    whole = [len(b["y"]) for b in wrapped.source]  # the whole pass, partial last batch too
+    assert sum(whole) == sum(int(Rows(90)[i]["y"]) > 0 for i in range(90)) and whole[:-1] == [16] * (len(whole) - 1)
     src = mod.GrainStream(filtered, batches_per_epoch=2)
     assert len(src) == 2 and len(list(src)) == 2  # the first 2 batches of each pass
 
@@ -179,9 +186,102 @@ def test_data_loader(grain):
         data_source=Rows(), sampler=grain.samplers.IndexSampler(96, shard_options=grain.sharding.NoSharding()),
         operations=[grain.transforms.Batch(16)], worker_count=0,
     )
-    with pytest.raises(TypeError, match="batches_per_epoch"):
-        mod.GrainStream(endless)
+    with pytest.raises(TypeError, match="stream without len.*batches_per_epoch"):  # endless: no len()
+        len(mod.GrainStream(endless))
     assert len(list(mod.GrainStream(endless, batches_per_epoch=8))) == 8
+
+
+KEEP_ROWS = 85  # of Rows(96): a filter keeps these, 5 full batches of 16 a pass
+
+
+def keep(r) -> bool:
+    return bool(r["y"] != 0 or r["x"][1] > 0)
+
+
+def filtered_pipeline(grain, where: str):
+    """A grain IterDataset whose batches per pass the pipeline does not make certain: a
+    filter of records (5 batches a pass) or of whole batches (as many as it keeps)."""
+    ds = grain.MapDataset.source(Rows()).to_iter_dataset()
+    if where == "records":
+        ds = ds.filter(keep)
+    ds = ds.map(lambda r: {k: r[k] for k in ("x", "label", "y")}).batch(16, drop_remainder=True)
+    return ds.filter(lambda b: b["y"][0] != 1) if where == "batches" else ds
+
+
+@pytest.mark.parametrize("where", ["records", "batches"])
+def test_a_filtered_iter_dataset_trains_by_steps_like_the_same_batches(tmp_path, grain, where):
+    """It was refused even with max_steps ("has no len() ... batches_per_epoch=N"), though a
+    plain stream of the same batches trains: now a stream without len(), each pass an epoch."""
+    from test_long_runs import _Stream, assert_same_state
+
+    same = list(filtered_pipeline(grain, where))  # the batches one pass yields
+    assert 1 < len(same) < 6 and (where != "records" or len(same) == KEEP_ROWS // 16)
+    val = grain.MapDataset.source(Rows(40, seed=1)).map(lambda r: {k: r[k] for k in ("x", "label", "y")}).batch(16)
+    kw = dict(max_steps=12, max_epochs=None, logger=None, seed=2)
+
+    def run(train, name):
+        return jn.train(Tiny(), data={"train": train, "val": val}, run_dir=str(tmp_path / name), **kw)
+
+    runs = {
+        "bare": run(filtered_pipeline(grain, where), "bare"),
+        "wrapped": run(jn.GrainStream(filtered_pipeline(grain, where)), "wrapped"),
+        "stream": run(_Stream(same), "stream"),
+    }
+    listed = run(same, "list")  # the same batches with a len()
+    n = len(same)
+    want = [(e, e * n) for e in range(1, 12 // n + 1)] + ([(12 // n + 1, 12)] if 12 % n else [])
+    assert [(r["epoch"], r["step"]) for r in listed.rows] == want and len(want) > 2
+    assert not runs["bare"].data["train"].sized and isinstance(runs["bare"].data["train"].source, mod.GrainStream)
+    for name, got in runs.items():
+        assert got.step == 12, name
+        assert got.rows == listed.rows, name
+        assert_same_state(got, listed)
+
+
+def test_a_filtered_iter_dataset_without_max_steps_is_refused_naming_max_steps(tmp_path, grain):
+    data = {"train": filtered_pipeline(grain, "records")}
+    # Tiny's max_epochs (2) cannot bound a stream: setup names max_steps, not grain's length
+    with pytest.raises(ValueError, match=r"the `train` split is a stream without len\(\) \(GrainStream\).*"
+                                         r"Pass `max_steps=N`"):
+        jn.Nitro(Tiny(), data=data, run_dir=tmp_path, logger=None)
+    with pytest.raises(ValueError, match=r"max_epochs=2 .*cannot bound the run: the `train` split is a stream "
+                                         r"without len\(\) \(GrainStream\).*batches_per_epoch=N"):
+        jn.Nitro(Tiny(), data=data, run_dir=tmp_path, logger=None, max_steps=12)
+    # batches_per_epoch gives it a len(): epochs bound the run again
+    sized = jn.GrainStream(filtered_pipeline(grain, "records"), batches_per_epoch=5)
+    assert jn.train(Tiny(), data={"train": sized}, run_dir=tmp_path, logger=None).step == 10
+
+
+def test_a_filtered_iter_dataset_resumes_mid_epoch_from_its_iterator_state(tmp_path, grain):
+    """Stopped mid-epoch 2 (a checkpoint every 4 steps, preempted) and resumed with
+    resume="auto": bitwise the uninterrupted run, grain's iterator state restored (nothing
+    read again, no warning)."""
+    from test_stream_state import Records, no_reread_warning, stop_resume_compare
+
+    records = {}
+
+    def make(at):
+        records[at] = Records(at)
+        serial = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # records read in order
+        train = grain.MapDataset.source(records[at]).to_iter_dataset(serial).filter(keep).batch(16, drop_remainder=True)
+        return {"train": train, "val": tiny_data()["val"]}
+
+    def reads_from_here(data):  # setup read the first batch (its width): count the run's reads only
+        records[0].read.clear()
+
+    kept = [i for i in range(96) if keep(Records()[i])]
+    assert len(kept) == KEEP_ROWS  # Records' rows are Rows(96)'s: 5 batches a pass
+    # preempted while epoch 2's third batch is read (setup read ~18 records, epoch 1 all 96)
+    _, resumed, data, record = stop_resume_compare(tmp_path, make, at=18 + 96 + 40, before_train=reads_from_here)
+    assert not resumed.data["train"].sized
+    start = resumed.plan.resumed.step
+    assert 5 < start < 10, start  # mid-epoch 2
+    saved = resumed.plan.weights_meta["data_position"]["stream_state"]
+    assert saved["source"] == "jaxnitro.plugins.grain_loader.GrainStream"
+    nxt = kept[(start - 5) * 16 - 1] + 1  # after the last trained batch's last kept record
+    assert saved["state"] == {"batches": start - 5, "iterator": {"next_index": nxt}}
+    no_reread_warning(record)
+    assert records[0].read[: 96 - nxt] == list(range(nxt, 96))  # nothing read again
 
 
 def test_not_ours_returns_none(grain):
