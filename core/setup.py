@@ -145,7 +145,8 @@ def _steps_per_epoch(data: dict, settings: Settings) -> int | None:
     if "train" in data and spe is None and settings.max_steps is None:
         raise ValueError(
             f"jaxnitro: {stream}, so max_epochs cannot bound the run and nothing would end it. Pass "
-            f"`max_steps=N` (the optimizer steps to take), or give the source a __len__."
+            f"`max_steps=N` (the optimizer steps to take), or give the source a __len__ (grain, torch: "
+            f"batches_per_epoch=N)."
         )
     if settings.val_every_n_steps is not None and "train" in data and "val" not in data:
         raise ValueError(
