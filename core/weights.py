@@ -523,20 +523,13 @@ def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, ste
     from .state import ResumePoint
 
     meta = record.metadata
-    saved_spe = meta.get("steps_per_epoch")
-    if steps_per_epoch is not None and saved_spe is not None and saved_spe != steps_per_epoch:
-        raise ValueError(
-            f"jaxnitro: the checkpoint {record.path} was saved by a run with {saved_spe} optimizer "
-            f"steps per epoch; this handle has {steps_per_epoch} (another train split or `accum`). A "
-            f"resumed run must read the same data in the same order; use `weights=` to start a new "
-            f"run from these weights instead."
-        )
-    for what, saved, now in (("accum", meta.get("accum"), accum), ("a train batch size", meta.get("batch_width"), width)):
-        if saved is not None and now is not None and saved != now:
+    for what, key, now in (("optimizer steps per epoch (the train split and `accum`)", "steps_per_epoch", steps_per_epoch),
+                           ("accum", "accum", accum), ("a train batch size", "batch_width", width)):
+        if meta.get(key) is not None and now is not None and meta[key] != now:
             raise ValueError(
-                f"jaxnitro: the checkpoint {record.path} was saved by a run with {what} of {saved}; "
+                f"jaxnitro: the checkpoint {record.path} was saved by a run with {what} of {meta[key]}; "
                 f"this handle has {now}. Its data position counts the batches read, so a resumed run "
-                f"must read the same batches in the same order; resume with {what} of {saved}, or "
+                f"must read the same batches in the same order; resume with {what} of {meta[key]}, or "
                 f"use `weights=` to start a new run from these weights instead."
             )
     wanted = {"params": abstract(state.params)}

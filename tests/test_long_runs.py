@@ -553,6 +553,14 @@ def test_a_stream_resumes_mid_epoch_by_reading_again_with_a_warning(tmp_path):
         jn.Nitro(Tiny(), data=halves, run_dir=tmp_path / "b", resume="auto", **kw)
 
 
+def test_a_sized_source_resumed_with_other_steps_per_epoch_is_refused(tmp_path):
+    kw = dict(run_dir=tmp_path, logger=None, checkpointer=jn.Checkpointer(keep=jn.Last(1), asynchronous=False))
+    jn.train(Tiny(), max_epochs=1, **kw)
+    with pytest.raises(ValueError, match=r"saved by a run with optimizer steps per epoch \(the train split and `accum`\) "
+                                         r"of 6; this handle has 3\..*or use `weights=`"):
+        jn.Nitro(Tiny(), resume="auto", accum=2, **kw)
+
+
 class _PreemptingStream(_Stream):
     """A stream that requests a preemption when its ``at``-th batch overall is read."""
 
