@@ -9,8 +9,10 @@ Entry point ``orbax``. It
   ``<run folder>/checkpoints/<step>`` with an orbax ``CheckpointManager``, keeping the
   union of the ``keep`` policies, written by a worker thread paced by ``min_interval``; at
   an interrupted, preempted or diverged end it saves the state the run ended with, which
-  never displaces an epoch-end checkpoint; a run's end (``jaxnitro_run_ending``: before any
-  plugin's ``jaxnitro_run_finish``) writes what is held and waits for every save;
+  never displaces an epoch-end checkpoint (but that of a stop at a row's end before its
+  validation becomes, once the run resumed from it validates the row, the epoch-end checkpoint
+  it stands for: its record is rewritten, not its arrays); a run's end (``jaxnitro_run_ending``:
+  before any plugin's ``jaxnitro_run_finish``) writes what is held and waits for every save;
 * fails the run when a save fails (a full disk): the error is raised on the loop's thread at
   the next epoch's end or step boundary after the worker thread met it, or at the run's end,
   whose status then is ``"failed"`` (the loggers' finish says so), naming the folder, the
@@ -36,12 +38,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import json
 import logging
 import math
 import os
 import re
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -429,19 +433,54 @@ def _recorded_metrics(directory: str, monitor) -> dict:
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     with _quiet_absl("is read only"):
         reader = ocp.CheckpointManager(directory, options=options)
-    known = {}
+    records = {}
     for step in reader.all_steps():
         try:
             meta = reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception:  # noqa: BLE001 - a damaged record: orbax's own view stands
             continue
+        if isinstance(meta, dict):
+            records[step] = meta
+    reader.close()
+    known = {}
+    for step, meta in _ranked_records(records).items():
         metrics = {_EPOCH_END: 1.0 if meta.get("end") is None else 0.0}
         value = (meta.get("metrics") or {}).get(monitor[0]) if monitor is not None else None
         if isinstance(value, (int, float)) and math.isfinite(float(value)):
             metrics[monitor[0]] = float(value)
         known[step] = metrics
-    reader.close()
     return known
+
+
+def _ranked_records(records: dict) -> dict:
+    """``records`` (``{step: JSON record}`` of one run folder's checkpoints), with each run-end
+    checkpoint that a later run validated read as the epoch-end checkpoint it stands for.
+
+    A stop at a row's end before its validation leaves a run-end checkpoint without metrics at
+    that step; the run resumed from it validates the row first, on exactly those parameters,
+    and normally rewrites that record (``_Saver._rank_run_end``). Where it could not (or a run
+    of an older jaxnitro resumed there), the ``validated`` records of the folder's checkpoints
+    (``[epoch, value, step]`` at every validation of the run and the runs it resumed from; a
+    newer record wins) name that step: the checkpoint then reads as an epoch end whose metrics
+    are that monitored value. A diverged checkpoint never does (its state is not a validated
+    one), nor a record that has metrics or entries without a step (``[epoch, value]``)."""
+    seen = {}
+    for step in sorted(records):
+        validated = records[step].get("validated") or {}
+        for entry in validated.get("values") or ():
+            if isinstance(entry, (list, tuple)) and len(entry) >= 3 and isinstance(entry[2], int):
+                seen[entry[2]] = (validated.get("name"), entry[1])
+    out = dict(records)
+    for step, meta in records.items():
+        if step in seen and _unranked_run_end(meta, step):
+            name, value = seen[step]
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = math.nan
+            out[step] = dict(meta, end=None, validated_after=meta.get("end"),
+                             metrics={name: value} if isinstance(name, str) and math.isfinite(value) else {})
+    return out
 
 
 @jax.jit
@@ -528,7 +567,9 @@ class _Saver:
         )
         self.mgr = ocp.CheckpointManager(self.dir, options=options)
         self.start_step = nitro.step
+        self.resumed = nitro.plan.resumed is not None
         self.saved = set(self.mgr.all_steps())
+        self.reopened = frozenset(self.saved)  # the checkpoints earlier runs left in the folder
         self.snapshots: dict[int, object] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxnitro-checkpoint")
         self.lock = threading.Condition()
@@ -571,12 +612,88 @@ class _Saver:
 
     def epoch_end(self, row: dict) -> None:
         self.raise_failed()
+        if self._rank_run_end(row):
+            return
         epoch, run_state = row["epoch"], self.run.run_state
         state = self.snapshots.pop(epoch, None)
         if state is None and run_state.state.step == row["step"]:
             state = _copy(run_state.state)
         if state is not None and self.due(epoch):
             self.submit(run_state.snapshot(state), end=None)
+
+    def _rank_run_end(self, row: dict) -> bool:
+        """A resumed run validated the row it resumed in (a stop at that row's end came before its
+        validation): the checkpoint it resumed from, at that step, is an earlier run's run-end
+        checkpoint holding exactly the validated parameters (nothing was trained since). Make it
+        the epoch-end checkpoint it stands for, without writing its arrays again: its JSON record
+        is replaced (atomically) by one with the row's metrics, no open row and this validation
+        in ``validated``; then ``keep`` ranks it from now on, and what it no longer keeps is
+        deleted as the uninterrupted run's save of that step would have. When the record cannot
+        be written, ``keep`` ranks it all the same but deletes nothing before the next save
+        (whose record names this validation: :func:`_ranked_records`). Whether it is ranked."""
+        step, plan = row.get("step"), self.run.nitro.plan
+        if not (self.resumed and step == self.start_step and step in self.reopened and step in self.on_disk
+                and not _is_epoch_end(self.on_disk[step]) and _unranked_run_end(plan.weights_meta or {}, step)):
+            return False
+        dist = plan.dist
+        main = dist is None or not dist.multi_process or dist.is_main
+        amended = self._amend_record(step, row) if main else None
+        if dist is not None and dist.multi_process:  # every process ranks and deletes the same checkpoints
+            amended = dist.from_main(amended)
+        if amended is None:  # its record on disk is not such a one
+            return False
+        metrics = self._metrics(row, None)
+        with self.lock:
+            self.on_disk[step] = metrics
+            self.policy.known[step] = metrics  # what orbax's policy sees of it at the next save
+            idle = not self.working and self.writing is None and not self.queue
+        if amended and idle:  # else the next save applies `keep` with it
+            self._apply_keep()
+        return True
+
+    def _amend_record(self, step: int, row: dict) -> bool | None:
+        """Replace the run-end record of ``step`` (written by an earlier run, no metrics) by the
+        epoch-end record ``row`` gives it: written to a temporary file, then renamed over it, so
+        a reader (or a kill) sees the one or the other. True when it did; False when writing
+        failed (warned about); None when the record there is not such a one."""
+        path = os.path.join(self.dir, str(step), "meta", "metadata")  # orbax's JsonSave file of item `meta`
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            if not _unranked_run_end(old, step):
+                return None
+            now = self.run.run_state.snapshot()  # the run after the validation: the row closed
+            new = dict(old, metrics=jsonable(dict(row), strict=False), end=None,
+                       progress=dict(old.get("progress") or {}, open_row=now.open_row),
+                       validated=self._validated(now.rows), validated_after=old["end"])
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(json.dumps(new))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return True
+        except (OSError, ValueError) as err:  # ValueError: an unreadable record
+            warnings.warn(
+                f"jaxnitro: the checkpoint {os.path.join(self.dir, str(step))} (saved as an earlier run ended, "
+                f"before its row's validation, which this run did) could not be given that row's metrics: "
+                f"{type(err).__name__}: {err}. This run's `keep` ranks it all the same, but nothing it no "
+                f"longer keeps is deleted, and \"best\" (or a run reopening the folder) does not rank it, "
+                f"until a newer checkpoint of this run is written (its record names this validation).",
+                RuntimeWarning, stacklevel=2)
+            return False
+
+    def _apply_keep(self) -> None:
+        """Delete the checkpoints on disk that ``keep`` no longer preserves (on the loop's thread,
+        the worker idle): what orbax does after a save, here after a checkpoint was ranked."""
+        listed = [_Known(s, m, None) for s, m in sorted(self.on_disk.items())]
+        preserve = self.policy.should_preserve(listed, context=_ocp().checkpoint_managers.PreservationContext())
+        for c, keep in zip(listed, preserve):
+            if not keep:
+                self.mgr.delete(c.step)
+        steps = self.mgr.all_steps()
+        with self.lock:
+            self.on_disk = {s: self.on_disk.get(s) for s in steps}
 
     def finish(self, status: str) -> None:
         try:
@@ -841,6 +958,13 @@ class _Saver:
         return {"name": name, "values": self.earlier + values}
 
 
+def _unranked_run_end(meta, step: int) -> bool:
+    """Whether ``meta`` is the record of a run-end checkpoint at ``step`` whose row was not
+    validated (no metrics): a stop at its end, not a diverged run."""
+    return (isinstance(meta, dict) and meta.get("step") == step and meta.get("end") not in (None, "diverged")
+            and meta.get("metrics") is None)
+
+
 def _json_number(value):
     """A monitored value for JSON: a float, or its name when not finite ("nan", "inf", "-inf");
     ``float()`` reads either back."""
@@ -908,6 +1032,7 @@ class _RunFolder:
         self.ckpt_dir = path / CHECKPOINTS
         self._mgr = None
         self._meta: dict[int, dict] = {}
+        self._ranked: dict[int, dict] | None = None
 
     @property
     def mgr(self):
@@ -942,6 +1067,13 @@ class _RunFolder:
             return self._read_meta(step)
         except Exception as err:  # noqa: BLE001 - any read failure: the checkpoint is damaged, or gone
             raise _unreadable(self, step, err) from err
+
+    def ranked(self, step: int) -> dict:
+        """``meta(step)`` as ``keep`` ranks it: a run-end checkpoint a later run validated reads as
+        the epoch-end checkpoint it stands for (:func:`_ranked_records`)."""
+        if self._ranked is None:
+            self._ranked = _ranked_records({s: self._meta[s] for s in self.readable_steps()})
+        return self._ranked[step] if step in self._ranked else self.meta(step)
 
     def readable_steps(self, skip: int | None = None) -> list[int]:
         out = []
@@ -1138,12 +1270,13 @@ def _select(folder: _RunFolder, which, monitor, purpose, spec, run_dir) -> list[
                          f"(only diverged ones)", run_dir)
     policy = which.of if isinstance(which, Average) else which
     if isinstance(policy, Last):
-        ends = [s for s in steps if folder.meta(s).get("end") is None]
+        ends = [s for s in steps if folder.ranked(s).get("end") is None]
         chosen = ends[-policy.n :]
     else:
         n = policy.n if isinstance(policy, Best) else 1
         name, mode = _monitor_of(folder, steps, monitor, spec)
-        scored = [(v, s) for s in steps if folder.meta(s).get("end") is None and (v := _value(folder.meta(s), name)) is not None]
+        scored = [(v, s) for s in steps
+                  if folder.ranked(s).get("end") is None and (v := _value(folder.ranked(s), name)) is not None]
         if not scored:
             recorded = sorted({k for s in steps for k in (folder.meta(s).get("metrics") or {})} - {"epoch", "step"})
             raise ValueError(
@@ -1187,7 +1320,7 @@ def _describe(folder: _RunFolder, steps, which, meta, monitor) -> str:
         return f"average of {len(steps)} checkpoints ({label}: epochs {epochs}) of {where}"
     what = f"checkpoint step {step} (epoch {epoch}"
     if which == "best" and monitor is not None:
-        what += f", best {monitor[0]}={_value(meta, monitor[0]):.6g}"
+        what += f", best {monitor[0]}={_value(folder.ranked(step), monitor[0]):.6g}"
     elif meta.get("end"):
         what += f", saved as the run ended {meta['end']}"
     return what + f") of {where}"
