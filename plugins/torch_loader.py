@@ -13,7 +13,9 @@ Entry point ``torch_loader``. A split that ``build_data`` returns as a torch
   reproduces a run bit for bit at any worker count;
 * anything else (an ``IterableDataset``, a custom sampler or batch sampler) is
   a :class:`TorchStream`, iterated by one producer; its ``prefetch_note`` says
-  why.
+  why. A loader without ``len()`` (an ``IterableDataset`` without ``__len__``, a
+  sampler without one) is a stream without ``len()``: each pass an epoch that
+  ends when the loader's iteration does, for a run bounded by ``max_steps``.
 
 Tensors become NumPy arrays without a copy (``Tensor.numpy``; ``bfloat16``
 through a view). torch is never imported here: the hook looks in
@@ -334,7 +336,12 @@ class TorchStream:
     custom sampler or batch sampler. Each epoch iterates the loader afresh
     (``iter(loader)``), with all its options: its worker processes, pinning,
     sampler. ``len()`` is ``batches_per_epoch`` when given (each epoch takes
-    the first that many batches), else ``len(loader)``.
+    the first that many batches), else ``len(loader)``. A loader without one (an
+    ``IterableDataset`` without ``__len__``, a sampler or batch sampler without one)
+    and no ``batches_per_epoch`` is a *stream without len()* (``len()`` raises
+    ``TypeError``): each epoch is one whole pass of ``iter(loader)``, ending when
+    the loader's does, and it can be the train split of a run bounded by
+    ``max_steps`` (setup refuses it without one, naming the fix).
 
     Warnings, naming the option: ``num_workers > 0`` with no ``generator``
     (the workers' seeds come from torch's global RNG, so jaxnitro's fixed seed
@@ -354,8 +361,8 @@ class TorchStream:
     dropped, with a warning (an ``IterableDataset`` in worker processes: the workers
     hold copies, whose positions this process cannot read).
 
-    **Raises:** ``TypeError`` when the loader has no ``len()`` (an
-    ``IterableDataset`` without ``__len__``) and no ``batches_per_epoch``.
+    **Raises:** ``TypeError`` for another type than a ``DataLoader``; ``ValueError``
+    for a bad ``batches_per_epoch``.
     """
 
     prefetch_workers = 1
@@ -372,19 +379,19 @@ class TorchStream:
         else:
             try:
                 n = len(loader)
-            except TypeError:
-                raise TypeError(
-                    f"jaxnitro: this DataLoader has no len() ({type(loader.dataset).__name__} defines "
-                    f"no __len__), and jaxnitro needs the batches per epoch. Fix: define __len__ on "
-                    f"the dataset, or pass jn.TorchStream(loader, batches_per_epoch=N)"
-                ) from None
+            except TypeError:  # no len(): a stream, each epoch one whole pass of the loader
+                n = None
         self.loader, self.fields = loader, check_fields(fields)
         self._len, self._take = n, batches_per_epoch is not None
         why = why or _unplannable(loader, data) or "iterated as asked"
         self._owner, no_state = _state_owner(loader, data)  # whose state_dict says where a pass is
         self._states, self._restore = PassStates(), None
         resume = "a resume restores its state_dict" if self._owner is not None else f"a resume re-reads ({no_state})"
-        self.prefetch_note = f"torch DataLoader: not index-addressable ({why}); 1 producer; {resume}"
+        epochs = "" if n is not None else (
+            "no len(): each epoch is a pass of iter(loader), ending when the loader's does (bound the "
+            "run with max_steps, or give it batches_per_epoch=N); "
+        )
+        self.prefetch_note = f"torch DataLoader: not index-addressable ({why}); 1 producer; {epochs}{resume}"
         self._no_state = no_state
         if loader.num_workers > 0 and loader.generator is None:
             _warn(f"num_workers={loader.num_workers}", "with no generator: the workers' seeds (and a "
@@ -397,6 +404,14 @@ class TorchStream:
                   "run, varies between runs. Drop it for a reproducible run.", 3)
 
     def __len__(self) -> int:
+        if self._len is None:  # TypeError: what len() of an object without __len__ raises
+            raise TypeError(
+                f"jaxnitro: this DataLoader is a stream without len() ({_no_len(self.loader)}), so an "
+                f"epoch ends when the loader's iteration does. It trains in a run bounded by "
+                f"max_steps; for a len(), define __len__ on the dataset, or pass "
+                f"jn.TorchStream(loader, batches_per_epoch=N) (each epoch takes the first N batches "
+                f"of a fresh iteration)"
+            )
         return self._len
 
     def __iter__(self):
@@ -436,7 +451,27 @@ class TorchStream:
         self._restore = state
 
     def __repr__(self) -> str:
+        if self._len is None:
+            return (f"TorchStream({type(self.loader.dataset).__name__}, a stream without len(): each epoch "
+                    f"one pass of the loader)")
         return f"TorchStream({type(self.loader.dataset).__name__}, {self._len} batches per epoch)"
+
+
+def _no_len(loader) -> str:
+    """Why ``len(loader)`` raises: the dataset, or the (batch) sampler, has no ``__len__``."""
+    dataset = loader.dataset
+    try:
+        len(dataset)
+    except TypeError:
+        return f"{type(dataset).__name__} defines no __len__"
+    for part in ("sampler", "batch_sampler"):  # a BatchSampler has none when its sampler has none
+        obj = getattr(loader, part, None)
+        if obj is not None:
+            try:
+                len(obj)
+            except TypeError:
+                return f"its {part} {type(obj).__name__} defines no __len__"
+    return "len(loader) raises TypeError"
 
 
 def _state_owner(loader, data):
@@ -462,7 +497,8 @@ def _state_owner(loader, data):
 @hookimpl(trylast=True)
 def jaxnitro_adapt_source(source, split):
     """A torch ``DataLoader`` -> :class:`TorchSource` when its plan can be rebuilt, else
-    :class:`TorchStream` (noted at setup); anything else -> ``None``."""
+    :class:`TorchStream` (noted at setup; without ``len()`` when the loader has none, e.g.
+    an ``IterableDataset`` without ``__len__``); anything else -> ``None``."""
     data = sys.modules.get("torch.utils.data")
     if data is None or not isinstance(source, data.DataLoader):
         return None

@@ -10,6 +10,7 @@ Tests that need torch are skipped, with the reason, when it is not installed
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 import warnings
 
@@ -22,7 +23,7 @@ import jaxnitro.exports
 from jaxnitro.batches import wrap_split
 from jaxnitro.plugin_manager import plugin_manager
 from jaxnitro.plugins import torch_loader as mod
-from tiny import Tiny, assert_parts_make_the_batches, make_arrays
+from tiny import Tiny, assert_parts_make_the_batches, make_arrays, tiny_data
 
 NAME = "torch_loader"
 
@@ -222,12 +223,160 @@ def test_iterable_dataset_is_iterated_by_one_producer(tmp_path, torch):
         mod.TorchSource(dl)
 
 
-def test_iterable_without_len_needs_batches_per_epoch(torch):
+def test_iterable_without_len_is_a_stream_without_len(torch):
+    """No len(): a stream (each epoch one whole pass of the loader), no refusal; a run bounded
+    by max_steps trains it. batches_per_epoch=N still gives it a len()."""
     dl = torch.utils.data.DataLoader(iterable(torch, with_len=False), batch_size=16)
-    with pytest.raises(TypeError, match="batches_per_epoch=N"):
-        wrap_split(dl, "train")
+    wrapped = wrap_split(dl, "train")
+    assert isinstance(wrapped.source, mod.TorchStream) and not wrapped.sized and not wrapped.addressable
+    with pytest.raises(TypeError, match=r"stream without len\(\) \(Stream defines no __len__\).*max_steps.*"
+                                        r"batches_per_epoch=N"):
+        len(wrapped.source)
+    assert repr(wrapped.source) == "TorchStream(Stream, a stream without len(): each epoch one pass of the loader)"
+    assert "no len(): each epoch is a pass of iter(loader)" in wrapped.source.prefetch_note
+    assert np.array_equal(np.concatenate([b["row"] for b in wrapped.source]), np.arange(96))  # the whole pass
     src = mod.TorchStream(dl, batches_per_epoch=4)
-    assert len(src) == 4 and len(list(src)) == 4
+    assert len(src) == 4 and len(list(src)) == 4 and repr(src) == "TorchStream(Stream, 4 batches per epoch)"
+    assert "no len()" not in src.prefetch_note
+
+
+def test_a_sampler_without_len_makes_a_stream_without_len(torch):
+    data = torch.utils.data
+
+    class Endless(data.Sampler):
+        """Draws indices for ever (no __len__)."""
+
+        def __iter__(self):
+            return itertools.cycle(range(96))
+
+    dl = data.DataLoader(rows_dataset(torch), batch_size=16, sampler=Endless())
+    src = wrap_split(dl, "train").source
+    assert isinstance(src, mod.TorchStream) and "Endless" in src.prefetch_note
+    with pytest.raises(TypeError, match=r"stream without len\(\) \(its sampler Endless defines no __len__\)"):
+        len(src)
+    first = list(itertools.islice(src, 7))  # the pass goes on as long as the sampler does
+    assert np.array_equal(np.concatenate([b["row"] for b in first]), np.arange(7 * 16) % 96)
+
+
+KEEP_ROWS = 85  # of Tiny's 96 train rows: a filter keeps these, 5 full batches of 16 a pass
+
+
+def keep(row) -> bool:
+    return bool(row["y"] != 0 or row["x"][1] > 0)
+
+
+def filtered(torch, records, stateful: bool = False):
+    """A torch IterableDataset without __len__: the ``records`` (Tiny's 96 train rows) that
+    :func:`keep` keeps, so its batches per pass are known only when the pass ends. With
+    ``stateful``, its ``state_dict`` is its position in the records (the next to read)."""
+
+    class Filtered(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.position, self.resume_at = 0, None
+
+        def __iter__(self):
+            start, self.resume_at = self.resume_at or 0, None
+            for i in range(start, 96):
+                row = records[i]
+                self.position = i + 1
+                if keep(row):
+                    yield row
+
+    if stateful:
+        Filtered.state_dict = lambda self: {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = self.resume_at = state["position"]
+
+        Filtered.load_state_dict = load_state_dict
+    return Filtered()
+
+
+class Rows:
+    """Tiny's 96 train rows as records (a dict of arrays each)."""
+
+    def __init__(self):
+        self.x, self.y, self.oh = make_arrays(96 + 40)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "label": self.oh[i], "y": self.y[i]}
+
+
+def filtered_loader(torch, records=None, stateful: bool = False):
+    records = Rows() if records is None else records
+    return torch.utils.data.DataLoader(filtered(torch, records, stateful), batch_size=16, drop_last=True)
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_filtered_iterable_dataset_trains_by_steps_like_the_same_batches(tmp_path, torch, stateful):
+    """It was refused even with max_steps ("has no len() ... batches_per_epoch=N"), though a
+    plain stream of the same batches trains: now a stream without len(), each pass an epoch."""
+    from test_long_runs import _Stream, assert_same_state
+
+    same = list(mod.TorchStream(filtered_loader(torch, stateful=stateful)))  # the batches one pass yields
+    assert len(same) == KEEP_ROWS // 16 == 5 and all(len(b["y"]) == 16 for b in same)
+    assert sum(keep(Rows()[i]) for i in range(96)) == KEEP_ROWS
+    kw = dict(max_steps=12, max_epochs=None, logger=None, seed=2)
+
+    def run(train, name):
+        return jn.train(Tiny(), data={"train": train, "val": tiny_data()["val"]}, run_dir=str(tmp_path / name), **kw)
+
+    runs = {
+        "bare": run(filtered_loader(torch, stateful=stateful), "bare"),
+        "wrapped": run(jn.TorchStream(filtered_loader(torch, stateful=stateful)), "wrapped"),
+        "stream": run(_Stream(same), "stream"),
+    }
+    listed = run(same, "list")  # the same batches with a len()
+    assert [(r["epoch"], r["step"]) for r in listed.rows] == [(1, 5), (2, 10), (3, 12)]
+    assert not runs["bare"].data["train"].sized and isinstance(runs["bare"].data["train"].source, mod.TorchStream)
+    for name, got in runs.items():
+        assert got.step == 12, name
+        assert got.rows == listed.rows, name
+        assert_same_state(got, listed)
+
+
+def test_a_filtered_iterable_dataset_without_max_steps_is_refused_naming_max_steps(tmp_path, torch):
+    data = {"train": filtered_loader(torch)}
+    # Tiny's max_epochs (2) cannot bound a stream: setup names max_steps, not the loader's length
+    with pytest.raises(ValueError, match=r"the `train` split is a stream without len\(\) \(TorchStream\).*"
+                                         r"Pass `max_steps=N`"):
+        jn.Nitro(Tiny(), data=data, run_dir=tmp_path, logger=None)
+    with pytest.raises(ValueError, match=r"max_epochs=2 .*cannot bound the run: the `train` split is a stream "
+                                         r"without len\(\) \(TorchStream\).*batches_per_epoch=N"):
+        jn.Nitro(Tiny(), data=data, run_dir=tmp_path, logger=None, max_steps=12)
+    # batches_per_epoch gives it a len(): epochs bound the run again
+    sized = jn.TorchStream(filtered_loader(torch), batches_per_epoch=5)
+    assert jn.train(Tiny(), data={"train": sized}, run_dir=tmp_path, logger=None).step == 10
+
+
+def test_a_filtered_iterable_dataset_resumes_mid_epoch_from_its_state_dict(tmp_path, torch):
+    """Stopped mid-epoch 2 (a checkpoint every 4 steps, preempted) and resumed with
+    resume="auto": bitwise the uninterrupted run, the dataset's state_dict loaded (nothing
+    read again, no warning)."""
+    from test_stream_state import Records, no_reread_warning, stop_resume_compare
+
+    records = {}
+
+    def make(at):
+        records[at] = Records(at)
+        return {"train": filtered_loader(torch, records[at], stateful=True), "val": tiny_data()["val"]}
+
+    def reads_from_here(data):  # setup read the first batch (its width): count the run's reads only
+        records[0].read.clear()
+
+    kept = [i for i in range(96) if keep(Records()[i])]
+    assert len(kept) == KEEP_ROWS  # Records' rows are Rows'
+    # preempted while epoch 2's third batch is read (setup read ~18 records, epoch 1 all 96)
+    _, resumed, data, record = stop_resume_compare(tmp_path, make, at=18 + 96 + 40, before_train=reads_from_here)
+    assert not resumed.data["train"].sized and isinstance(resumed.data["train"].source, mod.TorchStream)
+    start = resumed.plan.resumed.step
+    assert 5 < start < 10, start  # mid-epoch 2
+    saved = resumed.plan.weights_meta["data_position"]["stream_state"]
+    assert saved["source"] == "jaxnitro.plugins.torch_loader.TorchStream"
+    nxt = kept[(start - 5) * 16 - 1] + 1  # after the last trained batch's last kept record
+    assert saved["state"] == {"batches": start - 5, "state": {"position": nxt}}
+    no_reread_warning(record)
+    assert records[0].read[: 96 - nxt] == list(range(nxt, 96))  # nothing read again
 
 
 def test_custom_sampler_is_iterated_with_a_note(torch):
