@@ -923,7 +923,8 @@ class _Saver:
             },
             "steps_per_epoch": self.run.steps_per_epoch,
             "accum": nitro.settings.accum,
-            "batch_width": nitro.plan.width,  # the train split's batch size: a resume must read the same
+            # the train batch size of the whole job (each process reads its share): a resume must read the same
+            "batch_width": nitro.plan.width * getattr(nitro.plan.dist, "process_count", 1) if nitro.plan.width else None,
             "seed": nitro.settings.seed,
             "rng": _rng_record(state.rng),
             "monitor": list(self.monitor) if self.monitor else None,

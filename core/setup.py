@@ -105,7 +105,8 @@ def build(experiment, kwargs: dict, steps: SetupSteps) -> Built:
     if record is not None and kwargs.get("weights") is None:  # resume=
         state, resumed, weights_from = install_resume(
             state, record, restore_optimizer=bool(kwargs.get("restore_optimizer", True)),
-            steps_per_epoch=spe, accum=settings.accum, width=width if "train" in data else None,
+            steps_per_epoch=spe, accum=settings.accum,  # the job's batch width: each process reads its share
+            width=width * getattr(dist, "process_count", 1) if "train" in data and width else None,
         )
     if "train" in data and record is not None and kwargs.get("weights") is None:  # resume=: the horizon rule
         schedule_horizon(settings, spe, opt.bindings, record.metadata)
