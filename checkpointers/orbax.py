@@ -621,6 +621,12 @@ class _Saver:
         if state is not None and self.due(epoch):
             self.submit(run_state.snapshot(state), end=None)
 
+    def _saves_at(self, step: int, epoch: int) -> bool:
+        """Whether an uninterrupted run saves at ``step`` (of ``epoch``): a multiple of
+        ``every_n_steps``, or the end of an epoch :meth:`due` saves (known only with a len())."""
+        n, spe = self.ckpt.every_n_steps, self.run.steps_per_epoch
+        return step % n == 0 if n is not None else spe is not None and step % spe == 0 and self.due(epoch)
+
     def _rank_run_end(self, row: dict) -> bool:
         """A resumed run validated the row it resumed in (a stop at that row's end came before its
         validation): the checkpoint it resumed from, at that step, is an earlier run's run-end
@@ -633,7 +639,8 @@ class _Saver:
         (whose record names this validation: :func:`_ranked_records`). Whether it is ranked."""
         step, plan = row.get("step"), self.run.nitro.plan
         if not (self.resumed and step == self.start_step and step in self.reopened and step in self.on_disk
-                and not _is_epoch_end(self.on_disk[step]) and _unranked_run_end(plan.weights_meta or {}, step)):
+                and not _is_epoch_end(self.on_disk[step]) and _unranked_run_end(plan.weights_meta or {}, step)
+                and self._saves_at(step, row["epoch"])):
             return False
         dist = plan.dist
         main = dist is None or not dist.multi_process or dist.is_main

@@ -212,3 +212,39 @@ def test_only_a_stopped_rows_run_end_checkpoint_is_ranked_from_later_records():
     assert ranked[12] == records[12]  # diverged: never ranked
     assert ranked[18]["end"] is None and ranked[18]["metrics"] == {}  # validated, but no finite value
     assert ranked[24] == records[24] and ranked[30] == records[30]
+
+
+def test_a_stop_at_a_validation_between_checkpoint_steps_keeps_the_uninterrupted_runs_checkpoints(tmp_path):
+    # every_n_steps=6, a validation every 4 steps: a stop at step 8's validation writes a run-end
+    # checkpoint at 8, which the uninterrupted run never saved: it must not be ranked (it displaced
+    # a kept one, and "best" loaded it)
+    import os
+    import signal
+
+    from jaxnitro.plugin_manager import plugin_manager
+
+    class TermAt8:
+        sent = False
+
+        @jn.hookimpl
+        def jaxnitro_steps_read(self, run, stretch):
+            if not self.sent and stretch.first_step + len(stretch) - 1 >= 8:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def kw():
+        return dict(max_steps=24, max_epochs=None, val_every_n_steps=4, logger=None, steps_per_dispatch=1,
+                    checkpointer=jn.Checkpointer(every_n_steps=6, keep=(jn.Best(2), jn.Last(1)), asynchronous=False))
+
+    straight = jn.train(FirstIsBest(), run_dir=tmp_path / "a", **kw())
+    plugin_manager().register(TermAt8(), name="term-at-8")
+    try:
+        with pytest.raises(jn.Preempted):
+            jn.train(FirstIsBest(), run_dir=tmp_path / "b", **kw())
+    finally:
+        plugin_manager().unregister(name="term-at-8")
+    assert 8 in _kept(tmp_path / "b")  # the stop's run-end checkpoint
+    resumed = jn.Nitro(FirstIsBest(), run_dir=tmp_path / "b", resume="auto", **kw()).train()
+    assert resumed.rows == straight.rows[-len(resumed.rows):]
+    assert _kept(tmp_path / "b") == _kept(tmp_path / "a")
+    assert _best(FirstIsBest, tmp_path / "b").plan.weights_meta["step"] == _best(FirstIsBest, tmp_path / "a").plan.weights_meta["step"]
