@@ -536,6 +536,14 @@ def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, ste
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)
     rules, ema = rule_state_of(state.opt_state), ema_of(state.opt_state)
+    if restore_optimizer and "opt_state" in record.items and (ema is not None) != ("ema" in record.items):
+        raise ValueError(
+            f"jaxnitro: `resume=`: the checkpoint {record.path} was saved "
+            f"{'without' if ema is not None else 'with'} an EMA of the parameters and this handle has "
+            f"{'one' if ema is not None else 'none'}: `ema` changed since (the average would silently "
+            f"restart, or be dropped). Resume with the `ema` the run was trained with, or with "
+            f"`restore_optimizer=False` for a fresh optimizer state (and EMA)."
+        )
     if rules is not None and restore_optimizer and "opt_state" in record.items:
         wanted["opt_state"] = abstract(rules)
     if ema is not None and "ema" in record.items:

@@ -421,6 +421,16 @@ def test_ema_is_updated_in_the_train_step_and_checkpointed(tmp_path):
     assert same(loaded.params, n.state.ema) and "its EMA weights" in loaded.plan.weights_from
     resumed = jn.Nitro(Ranked(), data=data, run_dir=tmp_path, resume="auto", ema=EMA(decay=0.5))
     assert same(resumed.params, n.params) and same(resumed.state.ema, n.state.ema)
+    # `ema` turned off (or on) at the resume: refused as the optimizer change it is (the average was
+    # dropped, or restarted, silently); restore_optimizer=False takes a fresh optimizer state
+    with pytest.raises(ValueError, match=r"saved with an EMA of the parameters and this handle has none: `ema` "
+                                         r"changed since.*restore_optimizer=False"):
+        jn.Nitro(Ranked(), data=data, run_dir=tmp_path, resume="auto")
+    assert jn.Nitro(Ranked(), data=data, run_dir=tmp_path, resume="auto", restore_optimizer=False).step == 4
+    plain = tmp_path / "plain"
+    jn.train(Ranked(), data=data, run_dir=plain, max_epochs=1, checkpointer=jn.Checkpointer(keep=jn.Last(1)))
+    with pytest.raises(ValueError, match=r"saved without an EMA of the parameters and this handle has one"):
+        jn.Nitro(Ranked(), data=data, run_dir=plain, resume="auto", ema=EMA(decay=0.5))
     # another decay is an input of the same program: nothing compiles
     jn.train(Ranked(), data=data, run_dir=tmp_path, max_epochs=1, ema=EMA(decay=0.9), logger=None)
     misses = jn.cache_stats().misses
