@@ -211,7 +211,8 @@ class Dispatcher:
     def run(self, reader, leaves, step: int, cut: int, stop, pending: list, read_every: int, read):
         """Dispatch steps ``step + 1 .. cut`` from ``reader``: ``(leaves, step reached, Outcome)``.
 
-        Stops early, after the dispatch in flight, when ``stop.status`` is set
+        Stops early, after the dispatch in flight, when ``stop.seen(step)`` (a stop requested;
+        for a multi-process job, agreed by every process)
         (``STOPPED``), when ``read(False)`` (called once ``read_every`` entries are
         pending) reports a non-finite loss (``DIVERGED``), or when the reader's stream ends
         (``EXHAUSTED``; a partly read step is dropped).
@@ -254,7 +255,7 @@ class Dispatcher:
                         aux = (*micros, aux)
                     step += 1
                 pending.append(aux)
-                if stop.status is not None:
+                if stop.seen(step):
                     outcome = Outcome.STOPPED
                     break
                 if len(pending) >= read_every and read(False):

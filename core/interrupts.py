@@ -58,6 +58,37 @@ class StopRequest:
     def exception(self) -> BaseException:
         return Preempted() if self.status == "preempted" else KeyboardInterrupt()
 
+    def seen(self, step: int) -> bool:
+        """Whether a stop is pending after ``step`` (the dispatcher asks after each dispatch)."""
+        return self.status is not None
+
+
+class JobStop:
+    """A multi-process job's stop: what every process acts on, the same at the same step (one
+    process stopping alone would leave the others waiting in a collective for ever). A stop one
+    process saw (SIGTERM to its host, its ``max_time``, Ctrl-C) becomes the job's at the next
+    agreement (``gather``: every process's local status, in process order): at each cut
+    (:meth:`agree`), and between cuts once ``every`` steps were dispatched since the last
+    (:meth:`seen`); the processes reach both at the same steps."""
+
+    def __init__(self, local: StopRequest, gather, every: int):
+        self.local, self.gather, self.every = local, gather, every
+        self.status: str | None = None
+        self.agreed_at: int | None = None
+
+    def agree(self, step: int) -> str | None:
+        """Gather every process's stop at ``step``; the first one seen is the job's."""
+        seen = [s for s in self.gather(self.local.status) if s is not None]
+        if seen and self.status is None:
+            self.status = self.local.status = seen[0]  # every process raises the same exception
+        self.agreed_at = step
+        return self.status
+
+    def seen(self, step: int) -> bool:
+        if self.status is None and (self.agreed_at is None or step - self.agreed_at >= self.every):
+            self.agree(step)
+        return self.status is not None
+
 
 request = StopRequest()
 """The process-wide request (signals are process-wide)."""

@@ -12,6 +12,7 @@ between epochs, so dispatch runs ahead of compute as in a hand-written
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -29,7 +30,7 @@ from .evaluation import _device_fields, evaluate_split, make_transfer, stages_on
 from .events import RunContext, run_scoped
 from .hookcalls import emit, emit_finish
 from .history import check_monitored_in
-from .interrupts import Preempted, deferring, immediate, stop_signals
+from .interrupts import JobStop, Preempted, deferring, immediate, stop_signals
 from .interrupts import consume as consume_stop
 from .interrupts import request as stop_request
 from .logger import check_loggers, make_loggers
@@ -53,6 +54,9 @@ MAX_PENDING = 4 * READ_EVERY
 divergence check's delay)."""
 CPU_SHARDED_IN_FLIGHT = 16
 """The most optimizer steps queued ahead of the host in a run sharded over several CPU devices."""
+AGREE_EVERY = 32
+"""A multi-process job: the most optimizer steps between two agreements on a stop (a SIGTERM
+to one host is honoured by every process within this, at the same step)."""
 
 
 def new_run_folder(root: str, experiment=None) -> str:
@@ -308,7 +312,9 @@ class _Run:
         """The epochs; returns the status. Signals are deferred except while validating
         (nothing is in flight then): a stop is honoured between dispatches and at the
         cuts, by :meth:`stop`."""
-        with deferring() as stop:
+        with deferring() as local:
+            # several processes act on the job's stop, agreed at the same steps (AGREE_EVERY)
+            stop = JobStop(local, self.dist.allgather_objects, AGREE_EVERY) if self.lockstep else local
             nitro, book = self.nitro, self.book
             epoch, into = self.run_state.start(book, nitro.plan.resumed)
             if nitro.plan.resumed is not None and self.run_state.row_due(book, into == 0):  # a cut-short validation
@@ -412,6 +418,9 @@ class _Run:
         """What is due after ``step``: the epoch's end (``jaxnitro_epoch_trained``), a row's
         end (validated when the run validates), a plugin's boundary, a stop, ``max_time``."""
         book, reads, nitro = self.book, self.reads, self.nitro
+        if self.lockstep:  # every process reaches this cut: the job's stop is agreed here
+            self._past_deadline()
+            stop.agree(step)
         # again: this step's cut inside the epoch was handled (a stream's end seen one read later):
         # what it did (a row's end, a boundary) is not done twice; the epoch's end is still due
         closes = book.closes_row(step, epoch_done) and not (again and book.closes_row(step, False))
@@ -430,13 +439,13 @@ class _Run:
             if validate:  # the row closed unvalidated: it stays open, and a run resumed here validates it
                 self.run_state.reopen()
             self.stop()
-        if validate:
-            with immediate():
+        if validate:  # a signal stops a validation at once, but not one process's of a job (agreed at the next cut)
+            with immediate() if not self.lockstep else contextlib.nullcontext():
                 self.validate(epoch)
             emit("jaxnitro_epoch_end", run=self.run_ctx, row=nitro.rows[-1])
         if boundary:
             emit("jaxnitro_step_boundary", run=self.run_ctx, step=step, epoch=epoch)
-        if stop.status is not None or self._past_deadline():
+        if stop.status is not None or (not self.lockstep and self._past_deadline()):
             self.stop()
         return Outcome.EARLY if self.run_ctx.stop_reason is not None else Outcome.COMPLETE
 

@@ -232,6 +232,29 @@ def test_a_lost_process_stops_the_other_with_an_error_in_bounded_time(tmp_path):
     assert all(np.isfinite(row["train_loss"]) for row in r["rows"])
 
 
+def test_a_sigterm_to_one_process_preempts_the_whole_job_at_one_step_and_it_resumes(tmp_path):
+    """One host preempted: process 1 alone gets SIGTERM after step 10. Process 0 went on alone into
+    the next step's collectives and both waited for ever; now the stop is agreed at a cut both
+    reach (an epoch's end here), both exit 143, and the job resumes as the uninterrupted one."""
+    port = _free_port()
+    knobs = {"checkpointer": 1, "term_at_step": 10}
+    codes, logs = _wait([_child(tmp_path / "cut.json", tmp_path / "cut", 2, p, port, 2, knobs) for p in (0, 1)],
+                        timeout=180)
+    assert codes == [143, 143], "\n".join(log[-3000:] for log in logs)
+    (run,) = list((tmp_path / "cut").iterdir())
+    assert [r["status"] for r in _jsonl_rows(run / "metrics.jsonl") if r.get("kind") == "finish"] == ["preempted"]
+    port, again = _free_port(), {"checkpointer": 1, "resume": "auto"}
+    codes, logs = _wait([_child(tmp_path / "resumed.json", tmp_path / "cut", 2, p, port, 2, again) for p in (0, 1)])
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    port = _free_port()
+    codes, logs = _wait([_child(tmp_path / "straight.json", tmp_path / "straight", 2, p, port, 2, {"checkpointer": 1})
+                         for p in (0, 1)])
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    resumed, straight = (json.loads((tmp_path / f).read_text()) for f in ("resumed.json", "straight.json"))
+    assert resumed["rows"] and resumed["rows"] == straight["rows"][-len(resumed["rows"]):]
+    assert resumed["params"] == straight["params"] and resumed["opt_state"] == straight["opt_state"]
+
+
 MANY_STEPS = textwrap.dedent(
     """
     import jaxnitro as jn
