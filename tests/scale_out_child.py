@@ -135,19 +135,6 @@ result = {
     "replicated": all(a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(nitro.params)),
     "stop_reason": nitro.record.stop_reason,
 }
-term_at = knobs.pop("term_at_step", None)
-if term_at is not None and pid == 1:  # one host preempted: SIGTERM to process 1 alone, once step `term_at` is read
-    import os
-    import signal
-
-    class TermOne:
-        @jn.hookimpl
-        def jaxnitro_steps_read(self, run, stretch):
-            if stretch.first_step + len(stretch) - 1 >= term_at:
-                jn.plugin_manager.plugin_manager().unregister(name="term-one")
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    jn.plugin_manager.plugin_manager().register(TermOne(), name="term-one")
 if "checkpointer" in knobs:  # what the run's last checkpoint holds, read back into a new handle
     restored = jn.Nitro(Par(), run_dir=run_dir, weights=(nitro.run_dir, "last"), logger=None)
     result["checkpoint_params"] = [np.asarray(a).tolist() for a in jax.tree_util.tree_leaves(restored.params)]
