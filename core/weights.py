@@ -509,6 +509,30 @@ def _optimizer_mismatch(record: WeightsRecord, rest: dict, err: ValueError) -> V
     )
 
 
+def _check_resumable(record: WeightsRecord, steps_per_epoch, accum, width, has_ema: bool, restores: bool) -> None:
+    """``ValueError`` when ``record`` cannot be resumed by this handle: other steps per epoch,
+    ``accum`` or train batch ``width`` (the data position counts batches), or, when its optimizer
+    state is restored (``restores``), an EMA in one of them only (``has_ema``: the handle's)."""
+    meta = record.metadata
+    for what, key, now in (("optimizer steps per epoch (the train split and `accum`)", "steps_per_epoch", steps_per_epoch),
+                           ("accum", "accum", accum), ("a train batch size", "batch_width", width)):
+        if meta.get(key) is not None and now is not None and meta[key] != now:
+            raise ValueError(
+                f"jaxnitro: the checkpoint {record.path} was saved by a run with {what} of {meta[key]}; "
+                f"this handle has {now}. Its data position counts the batches read, so a resumed run "
+                f"must read the same batches in the same order; resume with {what} of {meta[key]}, or "
+                f"use `weights=` to start a new run from these weights instead."
+            )
+    if restores and has_ema != ("ema" in record.items):
+        raise ValueError(
+            f"jaxnitro: `resume=`: the checkpoint {record.path} was saved "
+            f"{'without' if has_ema else 'with'} an EMA of the parameters and this handle has "
+            f"{'one' if has_ema else 'none'}: `ema` changed since (the average would silently "
+            f"restart, or be dropped). Resume with the `ema` the run was trained with, or with "
+            f"`restore_optimizer=False` for a fresh optimizer state (and EMA)."
+        )
+
+
 def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, steps_per_epoch, accum=None,
                    width=None):
     """``resume=``: params, model state, EMA, optimizer state (``restore_optimizer``), step,
@@ -523,27 +547,11 @@ def install_resume(state, record: WeightsRecord, *, restore_optimizer: bool, ste
     from .state import ResumePoint
 
     meta = record.metadata
-    for what, key, now in (("optimizer steps per epoch (the train split and `accum`)", "steps_per_epoch", steps_per_epoch),
-                           ("accum", "accum", accum), ("a train batch size", "batch_width", width)):
-        if meta.get(key) is not None and now is not None and meta[key] != now:
-            raise ValueError(
-                f"jaxnitro: the checkpoint {record.path} was saved by a run with {what} of {meta[key]}; "
-                f"this handle has {now}. Its data position counts the batches read, so a resumed run "
-                f"must read the same batches in the same order; resume with {what} of {meta[key]}, or "
-                f"use `weights=` to start a new run from these weights instead."
-            )
+    rules, ema = rule_state_of(state.opt_state), ema_of(state.opt_state)
+    _check_resumable(record, steps_per_epoch, accum, width, ema is not None, restore_optimizer and "opt_state" in record.items)
     wanted = {"params": abstract(state.params)}
     if state.model_state is not None and "model_state" in record.items:
         wanted["model_state"] = abstract(state.model_state)
-    rules, ema = rule_state_of(state.opt_state), ema_of(state.opt_state)
-    if restore_optimizer and "opt_state" in record.items and (ema is not None) != ("ema" in record.items):
-        raise ValueError(
-            f"jaxnitro: `resume=`: the checkpoint {record.path} was saved "
-            f"{'without' if ema is not None else 'with'} an EMA of the parameters and this handle has "
-            f"{'one' if ema is not None else 'none'}: `ema` changed since (the average would silently "
-            f"restart, or be dropped). Resume with the `ema` the run was trained with, or with "
-            f"`restore_optimizer=False` for a fresh optimizer state (and EMA)."
-        )
     if rules is not None and restore_optimizer and "opt_state" in record.items:
         wanted["opt_state"] = abstract(rules)
     if ema is not None and "ema" in record.items:
