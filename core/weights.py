@@ -315,7 +315,8 @@ def find_record(e, kwargs: dict, run_dir: str, monitor):
     except NoCheckpointError as err:
         if purpose == "resume" and (resume is True or resume == "auto"):
             warnings.warn(
-                f"jaxnitro: resume='auto' found no checkpoint to continue ({err}); starting a fresh run.",
+                f"jaxnitro: resume='auto' found no checkpoint to continue ({getattr(err, 'what', err)}); "
+                f"starting a fresh run.",  # `what`: the reader's finding, without its advice on naming one
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -154,3 +154,12 @@ def test_resume_auto_with_nothing_to_continue_warns_one_plain_sentence(tmp_path)
     assert auto_warnings(bare) == [sentence(f"run_dir {str(bare.resolve())!r} holds no checkpoint of this "
                                             f"experiment: 1 run folder without checkpoints")]
     assert not os.listdir(empty)  # building the handle wrote nothing
+
+
+def test_resume_auto_restore_best_with_nothing_to_continue_warns_without_the_naming_advice(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert jn.Nitro(Ranked(), run_dir=tmp_path, resume="auto", restore_best=True).step == 0
+    (text,) = [str(w.message) for w in caught if "resume='auto'" in str(w.message)]
+    assert text.startswith("jaxnitro: resume='auto' found no checkpoint to continue (no run under run_dir has a checkpoint")
+    assert text.count("jaxnitro:") == 1 and "Name a checkpoint folder" not in text
