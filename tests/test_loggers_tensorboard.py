@@ -128,6 +128,24 @@ def test_a_failed_or_interrupted_run_ends_with_its_status(tmp_path, error, statu
     assert texts(acc, "status") == [(6, status)] and session_status(acc) == session
 
 
+def test_a_preempted_and_resumed_run_has_a_status_per_train_call_the_last_one_its_own(tmp_path):
+    # as metrics.jsonl keeps a finish line per train(): TensorBoard's reader does not purge text
+    # summaries at a restart, so the preempted run's status stays; the docs read the last one
+    kw = dict(data=DATA, run_dir=tmp_path, logger="tensorboard",
+              checkpointer=jn.Checkpointer(keep=jn.Last(1), asynchronous=False))
+    n = jn.Nitro(Tiny(max_epochs=2), **kw)
+    with stopping_after_first_epoch(jn.Preempted()), pytest.raises(jn.Preempted):
+        n.train()
+    assert texts(read_events(n.run_dir), "status") == [(6, "preempted")]
+    resumed = jn.Nitro(Tiny(max_epochs=2), resume="auto", **kw)
+    assert resumed.step == 6
+    resumed.train()
+    acc = read_events(resumed.run_dir)
+    assert texts(acc, "status") == [(6, "preempted"), (12, "done")]
+    assert acc.Tensors("status/text_summary")[-1].tensor_proto.string_val == [b"done"]  # the docs' idiom
+    assert [s for s, _ in scalars(acc, "train/loss")] == list(range(1, 13))
+
+
 def test_a_configured_logger_object_writes_each_run_into_its_own_folder(tmp_path):
     logger = jn.TensorBoardLogger(flush_secs=1)  # no folder given: each run's own, from its params
     assert isinstance(logger, tensorboard_logger.TensorBoardLogger)
