@@ -103,6 +103,7 @@ class ConsoleLogger:
         self.digits = int(digits)
         self.report = bool(report)
         self._log = logger
+        self._resumed_at: int | None = None  # a resumed run's step: its first epoch line says from where
         self._reset()
 
     def __repr__(self) -> str:
@@ -123,6 +124,11 @@ class ConsoleLogger:
         self._started = time.monotonic()
 
     # -- the logger contract ---------------------------------------------------
+
+    def resume(self, step: int) -> None:
+        """A resumed run continues its folder from ``step``: the interrupted run printed the steps
+        before, so the next epoch line averages the steps after it and says so (``from_step``)."""
+        self._resumed_at = int(step)
 
     def log_params(self, params: dict) -> None:
         """Start a run: print ``run start`` with the experiment, parameter count and run folder."""
@@ -218,7 +224,10 @@ class ConsoleLogger:
         if wait is not None:
             values["data_wait"] = f"{100 * wait:.1f}%"
         self._epoch, self._sums = None, {}
-        self._emit(f"{self._epoch_label(epoch)} train", {"step": self._epoch_step}, values)
+        fields = {"step": self._epoch_step}
+        if self._resumed_at is not None:  # its steps up to the resume point were the interrupted run's
+            fields["from_step"], self._resumed_at = self._resumed_at + 1, None
+        self._emit(f"{self._epoch_label(epoch)} train", fields, values)
 
     def _emit(self, event: str, fields: dict, values: dict | None = None) -> None:
         """Log ``event`` with ``fields``, then ``values``; a value named like a field, ``event``

@@ -119,3 +119,20 @@ def test_the_hook_answers_its_name_only(tmp_path):
     make = console_logger.jaxnitro_make_logger
     assert isinstance(make(name="Console", run_dir=tmp_path, experiment=None), console_logger.ConsoleLogger)
     assert make(name="jsonl", run_dir=tmp_path, experiment=None) is None
+
+
+def test_a_run_resumed_mid_epoch_says_from_which_step_its_first_epoch_line_averages(tmp_path, capsys):
+    # the line averaged the steps after the resume point as if they were the whole epoch's
+    kw = dict(data=DATA, run_dir=tmp_path, logger=["jsonl", "console"], max_steps=12, max_epochs=None,
+              checkpointer=jn.Checkpointer(every_n_steps=3, keep=jn.Last(1), asynchronous=False))
+    straight = jn.train(Tiny(), **dict(kw, run_dir=tmp_path / "a"))
+    cut = jn.train(Tiny(), **dict(kw, run_dir=tmp_path / "b", max_steps=9))  # a run stopped at step 9
+    capsys.readouterr()
+    resumed = jn.Nitro(Tiny(), resume="auto", **dict(kw, run_dir=tmp_path / "b"))
+    assert cut.step == resumed.step == 9
+    resumed.train()
+    lines = dict(parse(capsys.readouterr().out))
+    assert lines["epoch 2 train"]["from_step"] == "10" and lines["epoch 2 train"]["step"] == "12"
+    steps = train_lines(Path(resumed.run_dir) / "metrics.jsonl")
+    assert lines["epoch 2 train"]["loss"] == f"{np.mean([ln['loss'] for ln in steps if ln['step'] > 9]):.5g}"
+    assert straight.step == 12
