@@ -567,9 +567,7 @@ class _Saver:
         )
         self.mgr = ocp.CheckpointManager(self.dir, options=options)
         self.start_step = nitro.step
-        self.resumed = nitro.plan.resumed is not None
         self.saved = set(self.mgr.all_steps())
-        self.reopened = frozenset(self.saved)  # the checkpoints earlier runs left in the folder
         self.snapshots: dict[int, object] = {}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxnitro-checkpoint")
         self.lock = threading.Condition()
@@ -638,7 +636,8 @@ class _Saver:
         be written, ``keep`` ranks it all the same but deletes nothing before the next save
         (whose record names this validation: :func:`_ranked_records`). Whether it is ranked."""
         step, plan = row.get("step"), self.run.nitro.plan
-        if not (self.resumed and step == self.start_step and step in self.reopened and step in self.on_disk
+        # the resumed run's first row, at the step it resumed from (on disk before it started: it saves nothing before)
+        if not (plan.resumed is not None and step == self.start_step and step in self.on_disk
                 and not _is_epoch_end(self.on_disk[step]) and _unranked_run_end(plan.weights_meta or {}, step)
                 and self._saves_at(step, row["epoch"])):
             return False
